@@ -1,0 +1,185 @@
+"""Tiny random-weight target/draft models for tests, built offline.
+
+A byte-level BPE tokenizer is trained on Austen prose from ``../shared/corpus``
+(or a built-in text if that folder is absent); Llama and Qwen2 models with
+random weights are saved in float32 next to it. Everything is cached by a key
+of the build parameters, so a test session builds each model once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CORPUS_DIR = REPO_ROOT.parent / "shared" / "corpus" / "austen"
+BUILD_VERSION = 1
+
+_FALLBACK_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession "
+    "of a good fortune, must be in want of a wife. However little known the "
+    "feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered as the rightful property of "
+    "some one or other of their daughters. "
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of one tiny model. ``seed`` fixes its random weights."""
+
+    architecture: str  # "llama" or "qwen2"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 1024
+    max_position_embeddings: int = 8192
+    # Larger than HF's 0.02 so logits are peaked: greedy argmax is then far
+    # from ties and float32 runs compare exactly.
+    initializer_range: float = 0.1
+    seed: int = 0
+
+
+TARGET_LLAMA = TinyModelSpec("llama", 128, 4, 4, 2, seed=1)
+DRAFT_LLAMA = TinyModelSpec("llama", 64, 2, 2, 1, intermediate_size=128, seed=2)
+TARGET_QWEN2 = TinyModelSpec("qwen2", 128, 3, 4, 2, seed=3)
+DRAFT_QWEN2 = TinyModelSpec("qwen2", 64, 2, 2, 1, intermediate_size=128, seed=4)
+
+
+def cache_root() -> Path:
+    return Path(
+        os.environ.get(
+            "SPECEXTEND_TEST_MODELS",
+            Path.home() / ".cache" / "vllm-specextend" / "tiny-models",
+        )
+    )
+
+
+def corpus_text(max_chars: int | None = None) -> str:
+    """Austen prose for prompts; a short built-in text repeated if absent."""
+    if CORPUS_DIR.is_dir():
+        text = "\n".join(
+            p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt"))
+        )
+    else:
+        text = _FALLBACK_TEXT * 2000
+    return text if max_chars is None else text[:max_chars]
+
+
+def _key(payload: dict) -> str:
+    blob = json.dumps({"v": BUILD_VERSION, **payload}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _atomic_build(target: Path, build) -> Path:
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        build(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        # Another process finished the same build first.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def build_tokenizer(vocab_size: int = 1024) -> Path:
+    """Train (once) a byte-level BPE tokenizer on the corpus."""
+    target = cache_root() / f"tokenizer-{vocab_size}-{_key({'vocab': vocab_size})}"
+
+    def build(out: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([corpus_text(2_000_000)], trainer=trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="</s>",
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+def build_model(spec: TinyModelSpec) -> Path:
+    """Build (once) a random-weight model with the shared tokenizer."""
+    target = cache_root() / f"{spec.architecture}-{_key(asdict(spec))}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            LlamaConfig,
+            Qwen2Config,
+        )
+
+        tok_dir = build_tokenizer(spec.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        common = dict(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=spec.initializer_range,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        if spec.architecture == "llama":
+            config = LlamaConfig(**common)
+        elif spec.architecture == "qwen2":
+            config = Qwen2Config(**common, use_sliding_window=False)
+        else:
+            raise ValueError(f"unknown architecture {spec.architecture!r}")
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+if __name__ == "__main__":
+    for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
+        print(build_model(s))

@@ -1,0 +1,134 @@
+"""User options of SpecExtend, read from ``additional_config["spec_extend"]``.
+
+Mirrors ``vllm/config/speculative.py``: one dataclass, a docstring under each
+field, and all validation in one place raising ``ValueError`` that names the
+key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+ADDITIONAL_CONFIG_KEY = "spec_extend"
+
+RetrievalMode = Literal["cmr", "streaming", "off"]
+ScoreAggregation = Literal["last_token", "accepted_tokens"]
+
+
+class SpecExtendConfigError(ValueError):
+    """An invalid ``spec_extend`` option."""
+
+
+@dataclass(frozen=True)
+class SpecExtendConfig:
+    """Options of Cross-model Retrieval for ``draft_model`` speculative decoding.
+
+    Token counts are rounded up to whole KV blocks, because retrieval works by
+    removing whole blocks from the draft's block table.
+    """
+
+    mode: RetrievalMode = "cmr"
+    """``cmr``: the target's last-layer attention picks the chunks the draft
+    attends to. ``streaming``: sink + most recent chunks only (StreamingLLM
+    ablation, same budget and mechanism). ``off``: stock drafting."""
+
+    chunk_size: int | None = None
+    """Tokens per retrieval chunk; a whole number of KV blocks. ``None``: the
+    smallest multiple of the KV block size that is at least 32 tokens (the
+    paper's chunk)."""
+
+    top_k_chunks: int = 8
+    """Chunks kept besides the sink and the recent window."""
+
+    sink_tokens: int = 32
+    """Tokens at the start of the context that are always kept (0: none)."""
+
+    recent_tokens: int = 256
+    """Tokens before the draft's query that are always kept. The blocks of the
+    query itself and of the draft lookahead are kept in addition."""
+
+    retrieval_interval: int = 4
+    """Verification steps between two retrievals; the selection is reused in
+    between, with newly filled blocks appended."""
+
+    min_context_tokens: int = 2048
+    """Contexts shorter than this are drafted with the full KV cache."""
+
+    score_aggregation: ScoreAggregation = "last_token"
+    """``last_token``: scores from the target's row of the last accepted token
+    at the retrieval step (the paper). ``accepted_tokens``: mean over the rows
+    of all tokens accepted since the previous retrieval."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, RetrievalMode)
+        _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
+        if self.chunk_size is not None:
+            _check_int("chunk_size", self.chunk_size, minimum=1)
+        _check_int("top_k_chunks", self.top_k_chunks, minimum=0)
+        _check_int("sink_tokens", self.sink_tokens, minimum=0)
+        _check_int("recent_tokens", self.recent_tokens, minimum=0)
+        _check_int("retrieval_interval", self.retrieval_interval, minimum=1)
+        _check_int("min_context_tokens", self.min_context_tokens, minimum=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @classmethod
+    def from_dict(cls, options: Any) -> SpecExtendConfig:
+        if not isinstance(options, dict):
+            raise SpecExtendConfigError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a JSON object "
+                f"of options, got {type(options).__name__}: {options!r}"
+            )
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise SpecExtendConfigError(
+                f"unknown spec_extend option(s) {unknown}; allowed options: {allowed}"
+            )
+        return cls(**options)
+
+    def resolved_chunk_size(self, block_size: int) -> int:
+        """Chunk size in tokens for a KV cache with ``block_size``."""
+        if self.chunk_size is None:
+            return block_size * math.ceil(32 / block_size)
+        if self.chunk_size % block_size:
+            raise SpecExtendConfigError(
+                f"spec_extend option 'chunk_size'={self.chunk_size} is not a whole "
+                f"number of KV blocks (block_size={block_size}); use a multiple of "
+                f"{block_size}"
+            )
+        return self.chunk_size
+
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise SpecExtendConfigError(
+            f"spec_extend option {name!r}={value!r} is invalid; allowed values: "
+            f"{list(allowed)}"
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecExtendConfigError(
+            f"spec_extend option {name!r} must be an integer, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    if value < minimum:
+        raise SpecExtendConfigError(
+            f"spec_extend option {name!r}={value} is out of range; allowed: "
+            f"an integer >= {minimum}"
+        )
+
+
+def spec_extend_options(additional_config: Any) -> Any | None:
+    """The raw ``spec_extend`` options, or None when the user gave none."""
+    if isinstance(additional_config, dict):
+        return additional_config.get(ADDITIONAL_CONFIG_KEY)
+    return None

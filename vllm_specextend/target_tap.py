@@ -1,0 +1,107 @@
+"""Copies of the target's last-layer queries and keys, taken inside its forward.
+
+The tap only does fixed-shape tensor copies, so it is safe inside torch.compile
+(attention impls run in an opaque custom op) and inside CUDA graphs; the
+scoring happens later, in the proposer. Keys go into a buffer of our own,
+indexed by KV slot, because the backends' cache layouts differ (the CPU backend
+packs keys per ISA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TAPPED_CLASSES: dict[type, type] = {}
+
+
+class TargetAttentionTap:
+    """Persistent query and key buffers for one attention layer."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_num_tokens: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # One extra row absorbs the writes of padding slots (slot id < 0).
+        self.padding_slot = num_slots
+        self.keys = torch.zeros(
+            num_slots + 1, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.queries = torch.zeros(
+            max_num_tokens, num_heads, head_dim, dtype=dtype, device=device
+        )
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        num_tokens = min(query.shape[0], self.queries.shape[0])
+        self.queries[:num_tokens].copy_(
+            query[:num_tokens].view(num_tokens, self.num_heads, self.head_dim)
+        )
+
+    def record_keys(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_tokens = slot_mapping.shape[0]
+        slots = torch.where(
+            slot_mapping >= 0, slot_mapping, self.padding_slot
+        ).to(torch.int64)
+        keys = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.keys.index_copy_(0, slots, keys.to(self.keys.dtype))
+
+
+def install_tap(layer: torch.nn.Module, tap: TargetAttentionTap) -> None:
+    """Make ``layer.impl`` feed ``tap`` on every forward.
+
+    A direct subclass of the impl's class is assigned to ``impl.__class__``
+    (a class with a mixin base fails with "object layout differs").
+    """
+    impl = layer.impl
+    base = type(impl)
+    backend = layer.get_attn_backend()
+    if backend.forward_includes_kv_cache_update:
+        raise ValueError(
+            f"SpecExtend cannot tap the target's attention backend "
+            f"{backend.get_name()}: it writes the KV cache inside its forward, so the "
+            "keys never pass through do_kv_cache_update. Supported backends: "
+            "those with a separate KV cache update (CPU_ATTN, FLASH_ATTN, "
+            "TRITON_ATTN, FLEX_ATTENTION)."
+        )
+    tapped = _TAPPED_CLASSES.get(base)
+    if tapped is None and getattr(base, "_specextend_tapped", False):
+        tapped = base
+    if tapped is None:
+        tapped = _make_tapped_class(base)
+        _TAPPED_CLASSES[base] = tapped
+    impl.__class__ = tapped
+    impl._specextend_tap = tap
+
+
+def _make_tapped_class(base: type) -> type:
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None:
+            self._specextend_tap.record_queries(query)
+        return base.forward(
+            self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
+        )
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        self._specextend_tap.record_keys(key, slot_mapping)
+        return base.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+
+    return type(
+        f"SpecExtendTapped{base.__name__}",
+        (base,),
+        {
+            "forward": forward,
+            "do_kv_cache_update": do_kv_cache_update,
+            "_specextend_tapped": True,
+            "__doc__": f"{base.__name__} that also feeds a TargetAttentionTap.",
+        },
+    )

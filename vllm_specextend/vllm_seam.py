@@ -1,0 +1,194 @@
+"""The one seam between SpecExtend and vLLM.
+
+Two vLLM entry points are wrapped, each once and only when vLLM imports its
+module (so a front-end process never imports the model runner for us):
+
+- ``EngineArgs.create_engine_config``: validates ``spec_extend`` options when
+  the engine (``LLM(...)``, ``vllm serve``) is constructed, before any model
+  is loaded, and refuses configurations where retrieval could not run.
+- ``GPUModelRunner.__init__`` (the CPU runner is its subclass): while a runner
+  with ``spec_extend`` is built, the runner module's ``DraftModelProposer``
+  name points to :class:`SpecExtendProposer`; it is restored right after, so
+  the stock class is untouched and ``isinstance`` checks keep working.
+
+Without ``spec_extend`` options both wrappers call straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_specextend.config import (
+    SpecExtendConfig,
+    SpecExtendConfigError,
+    spec_extend_options,
+)
+
+ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
+MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_PATCHED_MARK = "_specextend_wrapped"
+
+
+def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
+    """The validated options of an engine, or None when retrieval is off.
+
+    Raises:
+        SpecExtendConfigError: options that retrieval cannot honour.
+    """
+    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+    if options is None:
+        return None
+    config = SpecExtendConfig.from_dict(options)
+    if not config.enabled:
+        return None
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.uses_draft_model():
+        method = None if spec is None else spec.method
+        raise SpecExtendConfigError(
+            "spec_extend needs draft-model speculative decoding: pass "
+            "speculative_config={'method': 'draft_model', 'model': DRAFT, "
+            f"'num_speculative_tokens': K}} (got method={method!r})"
+        )
+    if spec.parallel_drafting:
+        raise SpecExtendConfigError(
+            "spec_extend does not support parallel_drafting=True in "
+            "speculative_config; remove it"
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size is not None:
+        config.resolved_chunk_size(block_size)
+    if vllm_config.use_v2_model_runner:
+        raise SpecExtendConfigError(
+            "spec_extend runs in vLLM's V1 model runner, but this engine selected "
+            "Model Runner V2, where retrieval would never run. Set "
+            "VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    return config
+
+
+def install() -> None:
+    """Wrap vLLM's entry points once their modules are imported (idempotent)."""
+    when_imported(ENGINE_ARGS_MODULE, _wrap_create_engine_config)
+    when_imported(MODEL_RUNNER_MODULE, _wrap_model_runner_init)
+
+
+def install_version_guard(message: str) -> None:
+    """On an unsupported vLLM: patch nothing, but refuse ``spec_extend``."""
+
+    def guard(module: ModuleType) -> None:
+        def check(vllm_config: Any) -> None:
+            if spec_extend_options(getattr(vllm_config, "additional_config", None)):
+                raise SpecExtendConfigError(message)
+
+        _wrap_engine_args(module, check)
+
+    when_imported(ENGINE_ARGS_MODULE, guard)
+
+
+def _wrap_create_engine_config(module: ModuleType) -> None:
+    _wrap_engine_args(module, spec_extend_config)
+
+
+def _wrap_engine_args(module: ModuleType, check: Callable[[Any], Any]) -> None:
+    engine_args = module.EngineArgs
+    original = engine_args.create_engine_config
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        check(vllm_config)
+        return vllm_config
+
+    setattr(create_engine_config, _PATCHED_MARK, True)
+    engine_args.create_engine_config = create_engine_config
+
+
+def _wrap_model_runner_init(module: ModuleType) -> None:
+    runner_cls = module.GPUModelRunner
+    original = runner_cls.__init__
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        if spec_extend_config(vllm_config) is None:
+            return original(self, vllm_config, *args, **kwargs)
+        from vllm_specextend.cpu_rejection_sampling import patch_cpu_rejection_sampler
+        from vllm_specextend.specextend_proposer import SpecExtendProposer
+
+        patch_cpu_rejection_sampler()
+        stock = module.DraftModelProposer
+        module.DraftModelProposer = SpecExtendProposer
+        try:
+            original(self, vllm_config, *args, **kwargs)
+        finally:
+            module.DraftModelProposer = stock
+
+    setattr(__init__, _PATCHED_MARK, True)
+    runner_cls.__init__ = __init__
+
+
+# ---- post-import hooks ----------------------------------------------------
+
+
+def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` now if the module is imported, else right after."""
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        if not getattr(module.__spec__, "_initializing", False):
+            hook(module)
+            return
+    _finder().add(module_name, hook)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def add(self, module_name: str, hook: Callable[[ModuleType], None]) -> None:
+        hooks = self.hooks.setdefault(module_name, [])
+        if hook not in hooks:
+            hooks.append(hook)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.hooks:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookedLoader(spec.loader, self.hooks.pop(fullname))
+        return spec
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, loader, hooks: list[Callable[[ModuleType], None]]) -> None:
+        self._loader = loader
+        self._hooks = hooks
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        for hook in self._hooks:
+            hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _finder() -> _PostImportFinder:
+    for finder in sys.meta_path:
+        if isinstance(finder, _PostImportFinder):
+            return finder
+    finder = _PostImportFinder()
+    sys.meta_path.insert(0, finder)
+    return finder
