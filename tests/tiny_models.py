@@ -180,6 +180,30 @@ def build_model(spec: TinyModelSpec) -> Path:
     return _atomic_build(target, build)
 
 
+def build_noisy_copy(spec: TinyModelSpec, noise: float, seed: int = 0) -> Path:
+    """A draft that agrees with ``spec``'s model often but not always: the
+    target's weights plus Gaussian noise of relative size ``noise``."""
+    source = build_model(spec)
+    target = cache_root() / f"noisy-{_key({**asdict(spec), 'noise': noise, 'seed': seed})}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                scale = param.std() if param.numel() > 1 else param.abs()
+                param.add_(
+                    torch.randn(param.shape, generator=generator) * scale * noise
+                )
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
 if __name__ == "__main__":
     for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
         print(build_model(s))

@@ -1,0 +1,107 @@
+"""Engine tests: retrieval never changes what the target generates.
+
+Tiny float32 models (see tiny_models.py) keep greedy decoding far from ties,
+so every comparison is exact. One engine per configuration; the reference
+runs are shared through session fixtures.
+"""
+
+import pytest
+
+from tests.engine_utils import corpus_prompts, run_engine
+from tests.tiny_models import TARGET_QWEN2, build_model, build_noisy_copy
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+# A working cache of sink 32 + 2 chunks of 32 + recent 64 tokens (+ query and
+# lookahead blocks); prompts from shorter than the gate to ~35x the cache.
+SMALL_CACHE = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
+               "min_context_tokens": 256}
+LENGTHS = [150, 1200, 3000, 7000]
+
+
+@pytest.fixture(scope="session")
+def prompts(target_model):
+    base = corpus_prompts(target_model, LENGTHS)
+    other = corpus_prompts(target_model, [600], offset=50_000)[0]
+    # Shares 2,048 tokens with prompt 2, for prefix caching.
+    return base + [base[2][:2048] + other]
+
+
+@pytest.fixture(scope="session")
+def target_alone(target_model, prompts):
+    return run_engine(target_model, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def stock_draft(target_model, draft_model, prompts):
+    return run_engine(target_model, prompts, MAX_TOKENS, draft=draft_model)
+
+
+def test_stock_draft_model_with_plugin_installed_equals_target_alone(target_alone, stock_draft):
+    assert stock_draft.token_ids == target_alone.token_ids
+    assert stock_draft.retrieval is None  # the stock proposer ran
+    accepted = stock_draft.spec_decode["num_accepted_tokens"]
+    assert 0 < accepted < stock_draft.spec_decode["num_draft_tokens"]
+
+
+def test_cmr_with_chunked_prefill_and_prefix_caching_equals_target_alone(
+    target_model, draft_model, prompts, target_alone
+):
+    run = run_engine(
+        target_model, prompts, MAX_TOKENS, draft=draft_model,
+        spec_extend={**SMALL_CACHE, "score_aggregation": "accepted_tokens"},
+        max_num_batched_tokens=1024, enable_prefix_caching=True, repeat=2,
+    )
+    assert run.token_ids == target_alone.token_ids * 2
+    assert run.retrieval["retrievals"] > 0
+    assert run.retrieval["kept_fraction"] < 0.25
+
+
+def test_streaming_equals_target_alone(target_model, draft_model, prompts, target_alone):
+    run = run_engine(target_model, prompts, MAX_TOKENS, draft=draft_model,
+                     spec_extend={**SMALL_CACHE, "mode": "streaming"})
+    assert run.token_ids == target_alone.token_ids
+    assert run.retrieval["kept_fraction"] < 0.25
+
+
+def test_cmr_under_torch_compile_equals_target_alone(
+    target_model, draft_model, prompts, target_alone
+):
+    run = run_engine(target_model, prompts, MAX_TOKENS, draft=draft_model,
+                     spec_extend=SMALL_CACHE, enforce_eager=False)
+    assert run.token_ids == target_alone.token_ids
+    assert run.retrieval["retrievals"] > 0
+
+
+def test_retrieval_keeping_everything_is_identical_to_stock(
+    target_model, draft_model, prompts, stock_draft
+):
+    run = run_engine(target_model, prompts, MAX_TOKENS, draft=draft_model,
+                     spec_extend={"top_k_chunks": 100_000, "min_context_tokens": 0})
+    assert run.token_ids == stock_draft.token_ids
+    assert run.spec_decode == stock_draft.spec_decode
+    assert run.retrieval["retrievals"] > 0
+    assert run.retrieval["kept_fraction"] == 1.0
+
+
+def test_draft_equal_to_target_accepts_less_when_it_sees_less(
+    target_model, prompts, target_alone
+):
+    long_prompts = prompts[1:4]
+    full = run_engine(target_model, long_prompts, MAX_TOKENS, draft=target_model)
+    small = run_engine(target_model, long_prompts, MAX_TOKENS, draft=target_model,
+                       spec_extend=SMALL_CACHE)
+    assert full.spec_decode["num_accepted_tokens"] == full.spec_decode["num_draft_tokens"]
+    assert small.spec_decode["num_accepted_tokens"] < 0.8 * small.spec_decode["num_draft_tokens"]
+    assert full.token_ids == small.token_ids == target_alone.token_ids[1:4]
+
+
+def test_qwen2_cmr_equals_target_alone():
+    target = build_model(TARGET_QWEN2)
+    draft = build_noisy_copy(TARGET_QWEN2, noise=0.03)
+    prompts = corpus_prompts(target, [200, 2500, 5000])
+    alone = run_engine(target, prompts, MAX_TOKENS)
+    cmr = run_engine(target, prompts, MAX_TOKENS, draft=draft, spec_extend=SMALL_CACHE)
+    assert cmr.token_ids == alone.token_ids
+    assert cmr.retrieval["retrievals"] > 0

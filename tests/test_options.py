@@ -1,0 +1,84 @@
+"""spec_extend options: defaults, and one clear error per bad input at engine
+construction (``EngineArgs.create_engine_config``), before any model loads."""
+
+import pytest
+
+from vllm_specextend.config import SpecExtendConfig, SpecExtendConfigError
+
+
+def engine_config(target, draft=None, spec_extend=None, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(target), block_size=32, max_model_len=2048,
+                enforce_eager=True, dtype="float32")
+    if draft is not None:
+        args["speculative_config"] = {"method": "draft_model", "model": str(draft),
+                                      "num_speculative_tokens": 3}
+    if spec_extend is not None:
+        args["additional_config"] = {"spec_extend": spec_extend}
+    return EngineArgs(**{**args, **kwargs}).create_engine_config()
+
+
+def test_defaults_are_valid_and_chunk_size_follows_block_size():
+    config = SpecExtendConfig()
+    assert config.mode == "cmr" and config.enabled
+    assert config.resolved_chunk_size(16) == 32
+    assert config.resolved_chunk_size(128) == 128
+    assert SpecExtendConfig(chunk_size=256).resolved_chunk_size(128) == 256
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"topk": 4}, r"unknown spec_extend option\(s\) \['topk'\]; allowed options: \['mode'"),
+        ({"mode": "fast"}, r"'mode'='fast' is invalid; allowed values: \['cmr', 'streaming', 'off'\]"),
+        ({"top_k_chunks": "8"}, r"'top_k_chunks' must be an integer, got str"),
+        ({"top_k_chunks": True}, r"'top_k_chunks' must be an integer, got bool"),
+        ({"retrieval_interval": 0}, r"'retrieval_interval'=0 is out of range; allowed: an integer >= 1"),
+        ({"sink_tokens": -1}, r"'sink_tokens'=-1 is out of range"),
+        ({"chunk_size": 0}, r"'chunk_size'=0 is out of range"),
+        ({"score_aggregation": "max"}, r"'score_aggregation'='max' is invalid; allowed values: \['last_token', 'accepted_tokens'\]"),
+        ([1, 2], r"must be a JSON object of options, got list"),
+    ],
+)
+def test_bad_options_fail_at_engine_construction(target_model, draft_model, options, message):
+    with pytest.raises(SpecExtendConfigError, match=message):
+        engine_config(target_model, draft_model, spec_extend=options)
+
+
+def test_chunk_size_not_whole_blocks_fails(target_model, draft_model):
+    with pytest.raises(SpecExtendConfigError, match=r"'chunk_size'=48 is not a whole number of KV blocks \(block_size=32\)"):
+        engine_config(target_model, draft_model, spec_extend={"chunk_size": 48})
+
+
+def test_spec_extend_without_draft_model_fails(target_model):
+    with pytest.raises(SpecExtendConfigError, match=r"needs draft-model speculative decoding.*got method=None"):
+        engine_config(target_model, spec_extend={})
+
+
+def test_spec_extend_with_ngram_fails(target_model):
+    with pytest.raises(SpecExtendConfigError, match=r"got method='ngram'"):
+        engine_config(
+            target_model, spec_extend={},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3},
+        )
+
+
+def test_model_runner_v2_is_refused_with_remedy(target_model, draft_model, monkeypatch):
+    # V2 needs Triton, which the CPU build lacks: simulate the GPU default.
+    from vllm.config import VllmConfig
+
+    from vllm_specextend.vllm_seam import spec_extend_config
+
+    config = engine_config(target_model, draft_model, spec_extend={})
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(SpecExtendConfigError, match=r"Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        spec_extend_config(config)
+
+
+def test_valid_options_and_mode_off_pass(target_model, draft_model):
+    config = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 4, "chunk_size": 64})
+    assert config.additional_config["spec_extend"]["top_k_chunks"] == 4
+    # mode "off" is stock drafting and needs no draft model.
+    engine_config(target_model, spec_extend={"mode": "off"})

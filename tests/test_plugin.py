@@ -1,0 +1,80 @@
+"""Plugin discovery, the vLLM version pin, and the post-import hook."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import vllm_specextend
+from vllm_specextend import UnsupportedVllmVersionError, check_vllm_version
+from vllm_specextend.vllm_seam import when_imported
+
+
+def test_entry_point_is_discovered_by_vllms_plugin_loader():
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert plugins["spec_extend"] is vllm_specextend.register
+
+
+def test_register_is_idempotent_and_wraps_each_seam_once():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vllm_specextend.register()
+    vllm_specextend.register()
+    assert EngineArgs.create_engine_config._specextend_wrapped
+    assert GPUModelRunner.__init__._specextend_wrapped
+    # Wrapped once: the wrapped function is the stock one.
+    assert not getattr(EngineArgs.create_engine_config.__wrapped__, "_specextend_wrapped", False)
+
+
+def test_installed_vllm_is_supported():
+    check_vllm_version()
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_version_check_names_installed_and_supported(version):
+    with pytest.raises(UnsupportedVllmVersionError) as error:
+        check_vllm_version(version)
+    assert f"vLLM {version} is installed" in str(error.value)
+    assert "supports vLLM 0.32.x" in str(error.value)
+    assert "VLLM_SPECEXTEND_SKIP_VERSION_CHECK=1" in str(error.value)
+
+
+def test_mismatched_vllm_refuses_spec_extend_but_not_stock(target_model, draft_model):
+    script = f"""
+import vllm
+vllm.__version__ = "0.31.0"
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+kw = dict(model={str(target_model)!r}, block_size=32, max_model_len=1024, dtype="float32",
+          speculative_config={{"method": "draft_model", "model": {str(draft_model)!r},
+                              "num_speculative_tokens": 3}})
+EngineArgs(**kw).create_engine_config()
+assert not hasattr(GPUModelRunner.__init__, "_specextend_wrapped")
+try:
+    EngineArgs(**kw, additional_config={{"spec_extend": {{}}}}).create_engine_config()
+except ValueError as error:
+    print("REFUSED:", error)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED: vllm-specextend" in result.stdout
+    assert "vLLM 0.31.0 is installed" in result.stdout
+
+
+def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkeypatch):
+    (tmp_path / "specextend_probe_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("specextend_probe_mod", lambda m: seen.append(m.VALUE))
+    assert seen == []
+    import specextend_probe_mod  # noqa: F401
+
+    assert seen == [1]
+    when_imported("specextend_probe_mod", lambda m: seen.append(2))
+    assert seen == [1, 2]
+    assert isinstance(sys.modules["specextend_probe_mod"], types.ModuleType)
