@@ -83,7 +83,8 @@ def install_version_guard(message: str) -> None:
 
     def guard(module: ModuleType) -> None:
         def check(vllm_config: Any) -> None:
-            if spec_extend_options(getattr(vllm_config, "additional_config", None)):
+            options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+            if options is not None:
                 raise SpecExtendConfigError(message)
 
         _wrap_engine_args(module, check)
