@@ -1,0 +1,419 @@
+"""SpecExtend against stock vLLM, side by side, on long real text.
+
+One engine per configuration (target alone, stock draft_model, SpecExtend cmr,
+SpecExtend streaming, optionally ngram); for each context length one greedy
+summarization request at batch size 1. Reported per configuration and length:
+prefill seconds, decode tokens/s, mean acceptance length (from the difference
+of vLLM's spec_decode counters around the request), draft and verify seconds
+per step, retrieval overhead, kept fraction of the context, and agreement of
+the output with the target alone. Results: JSON, a markdown table, a PNG plot.
+
+    python -m benchmarks [--lengths 1024 4096 8192] [--needle] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# collective_rpc ships the timing hooks below to the worker process.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus" / "austen"
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+SUMMARY_INSTRUCTION = "Summarize the following passage in a few sentences."
+
+# The configurations of a run, by name: spec_extend options (None: no
+# retrieval) and whether the draft model is used.
+STOCK_CONFIGS = ("target", "draft_model", "ngram")
+
+
+@dataclass
+class Measurement:
+    config: str
+    context_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+    decode_tok_s: float
+    mean_acceptance_length: float | None
+    draft_s_per_step: float | None
+    verify_s_per_step: float | None
+    retrieval_s_per_step: float | None
+    retrieval_overhead_pct: float | None
+    kept_fraction: float | None
+    token_ids: list[int] = field(repr=False)
+    agreement_prefix: int | None = None
+    agreement_fraction: float | None = None
+
+
+# ---- worker-side timers (run inside the engine's worker via collective_rpc) --
+
+
+def _install_timers(worker) -> None:
+    """Accumulate wall time of the runner step, the drafter and retrieval."""
+    runner = worker.model_runner
+    timers = {"step": 0.0, "steps": 0, "draft": 0.0, "retrieval": 0.0}
+    runner._bench_timers = timers
+
+    def timed(obj, name, key, count=False):
+        original = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers[key] += time.perf_counter() - start
+                if count:
+                    timers["steps"] += 1
+
+        setattr(obj, name, wrapper)
+
+    # Drafting runs in sample_tokens, after execute_model returns.
+    timed(runner, "execute_model", "step", count=True)
+    timed(runner, "sample_tokens", "step")
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "propose"):
+        timed(drafter, "propose", "draft")
+        if hasattr(drafter, "_plan_draft_view"):
+            timed(drafter, "_plan_draft_view", "retrieval")
+
+
+def _read_timers(worker) -> dict[str, Any]:
+    runner = worker.model_runner
+    timers = dict(runner._bench_timers)
+    drafter = getattr(runner, "drafter", None)
+    stats = getattr(drafter, "stats", None)
+    timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
+    return timers
+
+
+def _spec_counters(llm) -> dict[str, float]:
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name in ("vllm:spec_decode_num_drafts",
+                           "vllm:spec_decode_num_accepted_tokens",
+                           "vllm:spec_decode_num_draft_tokens"):
+            counters[metric.name] = metric.value
+    return counters
+
+
+# ---- prompts -----------------------------------------------------------------
+
+
+def load_corpus(paths: list[Path]) -> str:
+    files: list[Path] = []
+    for path in paths:
+        files += sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise SystemExit(f"no text files in {paths}")
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def summarization_prompt(tokenizer, text: str, total_tokens: int, offset: int = 0) -> list[int]:
+    """A chat prompt of exactly ``total_tokens`` tokens asking for a summary of
+    a passage cut from ``text`` at ``offset`` characters."""
+
+    def render(passage_ids: list[int]) -> list[int]:
+        passage = tokenizer.decode(passage_ids)
+        messages = [{"role": "user", "content": f"{SUMMARY_INSTRUCTION}\n\n{passage}"}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer(messages[0]["content"] + "\n\nSummary:")["input_ids"]
+
+    chars = text[offset : offset + 8 * total_tokens + 10_000]
+    passage_ids = tokenizer(chars, add_special_tokens=False)["input_ids"]
+    overhead = len(render(passage_ids[:16])) - 16
+    ids = render(passage_ids[: max(total_tokens - overhead, 16)])
+    # Decoding and re-encoding can shift a few tokens; trim to the exact size.
+    while len(ids) > total_tokens:
+        passage_ids = passage_ids[: len(passage_ids) - (len(ids) - total_tokens) - 1]
+        ids = render(passage_ids[: max(total_tokens - overhead, 16)])
+    return ids
+
+
+# ---- one configuration -------------------------------------------------------
+
+
+def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=args.target,
+        max_model_len=max(args.lengths) + args.max_tokens + 64,
+        enforce_eager=args.eager,
+        dtype=args.dtype,
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=args.kv_cache_gib << 30,
+        max_num_seqs=1,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
+    if config == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    elif config != "target":
+        kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft,
+                                        "num_speculative_tokens": args.k}
+        if args.heterogeneous_vocab:
+            kwargs["speculative_config"]["use_heterogeneous_vocab"] = True
+    if spec_extend is not None:
+        kwargs["additional_config"] = {"spec_extend": spec_extend}
+    return kwargs
+
+
+def measure_config(args, config: str, spec_extend: dict | None,
+                   prompts: dict[int, list[int]], progress) -> list[Measurement]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(**engine_kwargs(args, config, spec_extend))
+    try:
+        llm.collective_rpc(_install_timers)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        # Warm-up: first-call costs (allocations, lazy init) stay out of timings.
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[min(prompts)][:256])],
+                     SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        results = []
+        for length, ids in prompts.items():
+            before_counts = _spec_counters(llm)
+            before_timers = llm.collective_rpc(_read_timers)[0]
+            output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            after_counts = _spec_counters(llm)
+            after_timers = llm.collective_rpc(_read_timers)[0]
+            results.append(_measurement(config, length, output, before_counts, after_counts,
+                                        before_timers, after_timers))
+            progress.update(1)
+            progress.set_postfix_str(f"{config} {length}: {results[-1].decode_tok_s:.2f} tok/s")
+        return results
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def _measurement(config, length, output, c0, c1, t0, t1) -> Measurement:
+    metrics = output.metrics
+    generated = list(output.outputs[0].token_ids)
+    prefill_s = metrics.first_token_ts - metrics.scheduled_ts
+    decode_s = metrics.last_token_ts - metrics.first_token_ts
+    decode_tokens = len(generated) - 1
+    drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get("vllm:spec_decode_num_drafts", 0)
+    accepted = (c1.get("vllm:spec_decode_num_accepted_tokens", 0)
+                - c0.get("vllm:spec_decode_num_accepted_tokens", 0))
+    steps = t1["steps"] - t0["steps"]
+    step_s = t1["step"] - t0["step"]
+    draft_s = t1["draft"] - t0["draft"]
+    retrieval_s = t1["retrieval"] - t0["retrieval"]
+    kept = None
+    s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
+    if s1 is not None:
+        context = s1["context_tokens"] - s0["context_tokens"]
+        kept = (s1["kept_tokens"] - s0["kept_tokens"]) / context if context else 1.0
+    has_draft = drafts > 0
+    return Measurement(
+        config=config,
+        context_tokens=length,
+        prefill_s=prefill_s,
+        decode_tokens=decode_tokens,
+        decode_s=decode_s,
+        decode_tok_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        mean_acceptance_length=1 + accepted / drafts if has_draft else None,
+        draft_s_per_step=draft_s / steps if has_draft and steps else None,
+        verify_s_per_step=(step_s - draft_s) / steps if has_draft and steps else None,
+        retrieval_s_per_step=retrieval_s / steps if s1 is not None and steps else None,
+        retrieval_overhead_pct=100 * retrieval_s / step_s if s1 is not None and step_s else None,
+        kept_fraction=kept,
+        token_ids=generated,
+    )
+
+
+def add_agreement(measurements: list[Measurement]) -> None:
+    reference = {m.context_tokens: m.token_ids for m in measurements if m.config == "target"}
+    for m in measurements:
+        ref = reference.get(m.context_tokens)
+        if ref is None:
+            continue
+        prefix = 0
+        while prefix < min(len(ref), len(m.token_ids)) and ref[prefix] == m.token_ids[prefix]:
+            prefix += 1
+        m.agreement_prefix = prefix
+        m.agreement_fraction = sum(a == b for a, b in zip(ref, m.token_ids)) / len(ref)
+
+
+# ---- reports -----------------------------------------------------------------
+
+
+def _fmt(value, spec=".2f"):
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(measurements: list[Measurement]) -> str:
+    lines = [
+        "| config | context | prefill s | decode tok/s | vs draft_model | mean acc. len | "
+        "draft s/step | verify s/step | retrieval % of step | kept % of context | "
+        "same as target (prefix / tokens) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    stock = {m.context_tokens: m.decode_tok_s for m in measurements if m.config == "draft_model"}
+    for m in measurements:
+        speedup = m.decode_tok_s / stock[m.context_tokens] if m.context_tokens in stock else None
+        agreement = (f"{m.agreement_prefix} / {100 * m.agreement_fraction:.0f}%"
+                     if m.agreement_fraction is not None else "-")
+        lines.append(
+            f"| {m.config} | {m.context_tokens} | {m.prefill_s:.1f} | {m.decode_tok_s:.2f} | "
+            f"{_fmt(speedup)}x | {_fmt(m.mean_acceptance_length)} | "
+            f"{_fmt(m.draft_s_per_step, '.3f')} | {_fmt(m.verify_s_per_step, '.3f')} | "
+            f"{_fmt(m.retrieval_overhead_pct, '.2f')} | "
+            f"{_fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
+            f"{agreement} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(measurements: list[Measurement], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    configs = list(dict.fromkeys(m.config for m in measurements))
+    for config in configs:
+        rows = sorted((m for m in measurements if m.config == config),
+                      key=lambda m: m.context_tokens)
+        xs = [m.context_tokens for m in rows]
+        ax_speed.plot(xs, [m.decode_tok_s for m in rows], marker="o", label=config)
+        if rows and rows[0].mean_acceptance_length is not None:
+            ax_acc.plot(xs, [m.mean_acceptance_length for m in rows], marker="o", label=config)
+    for ax, label in ((ax_speed, "decode tokens/s"), (ax_acc, "mean acceptance length")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+# ---- main --------------------------------------------------------------------
+
+
+def configurations(args) -> dict[str, dict | None]:
+    base = json.loads(args.spec_extend) if args.spec_extend else {}
+    table: dict[str, dict | None] = {}
+    for name in args.configs:
+        if name in STOCK_CONFIGS:
+            table[name] = None
+        elif name in ("cmr", "streaming"):
+            table[name] = {**base, "mode": name}
+        else:
+            raise SystemExit(f"unknown configuration {name!r}; choose from "
+                             f"{list(STOCK_CONFIGS) + ['cmr', 'streaming']}")
+    return table
+
+
+def run_benchmark(args) -> dict[str, Any]:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    text = load_corpus(args.corpus)
+    prompts = {n: summarization_prompt(tokenizer, text, n, offset=args.offset)
+               for n in args.lengths}
+    configs = configurations(args)
+    measurements: list[Measurement] = []
+    with tqdm(total=len(configs) * len(prompts), desc="benchmark", unit="run") as progress:
+        for name, spec_extend in configs.items():
+            measurements += measure_config(args, name, spec_extend, prompts, progress)
+    add_agreement(measurements)
+    return {
+        "machine": machine_info(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k != "corpus"} | {"corpus": [str(p) for p in args.corpus]},
+        "configs": configs,
+        "measurements": [asdict(m) for m in measurements],
+        "_objects": measurements,
+    }
+
+
+def write_results(result: dict[str, Any], out_dir: Path, title: str) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    measurements = result.pop("_objects")
+    table = markdown_table(measurements)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "results.md").write_text(f"# {title}\n\n{table}\n")
+    plot(measurements, out_dir / "results.png", title)
+    return table
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
+                        help="local path, hub id, or a short name from benchmarks.real_models")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--heterogeneous-vocab", action="store_true",
+                        help="draft with its own tokenizer (use_heterogeneous_vocab)")
+    parser.add_argument("--corpus", type=Path, nargs="+", default=[DEFAULT_CORPUS])
+    parser.add_argument("--offset", type=int, default=100_000,
+                        help="character offset of the passages in the corpus")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--configs", nargs="+",
+                        default=["target", "draft_model", "cmr", "streaming"])
+    parser.add_argument("--spec-extend", default=None,
+                        help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--kv-cache-gib", type=int, default=3)
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="enforce_eager (torch.compile start-up is slow on 2 cores)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="main")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from benchmarks.real_models import resolve_model
+
+    args.target = resolve_model(args.target)
+    args.draft = resolve_model(args.draft)
+    out_dir = args.out or RESULTS_DIR / args.name
+    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}, "
+             f"K={args.k}, {args.max_tokens} greedy tokens, {machine_info()['cpu_count']} CPU cores")
+    table = write_results(run_benchmark(args), out_dir, title)
+    print(table)
+    print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
