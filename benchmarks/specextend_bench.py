@@ -323,6 +323,125 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+# ---- needle retrieval ----------------------------------------------------------
+
+NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def needle_prompt(tokenizer, text: str, total_tokens: int, depth: float,
+                  passkey: str) -> list[int]:
+    """A chat prompt with a passkey hidden at ``depth`` of a real-text context."""
+    needle = f" The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+    question = ("There is a pass key hidden in the following text. Find it and "
+                "memorize it.")
+    ask = "What is the pass key? Answer with the number only."
+
+    def render(filler_ids: list[int]) -> list[int]:
+        cut = int(len(filler_ids) * depth)
+        body = (tokenizer.decode(filler_ids[:cut]) + needle
+                + tokenizer.decode(filler_ids[cut:]))
+        messages = [{"role": "user", "content": f"{question}\n\n{body}\n\n{ask}"}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    filler = tokenizer(text[: 8 * total_tokens + 10_000], add_special_tokens=False)["input_ids"]
+    overhead = len(render(filler[:64])) - 64
+    return render(filler[: total_tokens - overhead])
+
+
+def run_needle(args) -> dict[str, Any]:
+    """Draft acceptance on the answer span with the full draft cache, streaming
+    and cmr, next to the target's answer."""
+    import random
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    text = load_corpus(args.corpus)[args.offset:]
+    rng = random.Random(0)
+    cases = [(depth, str(rng.randrange(10_000, 99_999))) for depth in NEEDLE_DEPTHS]
+    prompts = [needle_prompt(tokenizer, text, args.needle_length, d, key) for d, key in cases]
+    base = json.loads(args.spec_extend) if args.spec_extend else {}
+    configs = {"draft_model": None, "streaming": {**base, "mode": "streaming"},
+               "cmr": {**base, "mode": "cmr"}}
+    params = SamplingParams(temperature=0.0, max_tokens=args.needle_tokens)
+    rows = []
+    with tqdm(total=len(configs) * len(cases), desc="needle", unit="run") as progress:
+        for name, spec_extend in configs.items():
+            llm = LLM(**engine_kwargs(args, name, spec_extend)
+                      | {"max_model_len": args.needle_length + args.needle_tokens + 64})
+            try:
+                for (depth, key), ids in zip(cases, prompts):
+                    before = _spec_counters(llm)
+                    output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
+                                          use_tqdm=False)[0]
+                    after = _spec_counters(llm)
+                    drafted = (after["vllm:spec_decode_num_draft_tokens"]
+                               - before["vllm:spec_decode_num_draft_tokens"])
+                    accepted = (after["vllm:spec_decode_num_accepted_tokens"]
+                                - before["vllm:spec_decode_num_accepted_tokens"])
+                    answer = output.outputs[0].text
+                    rows.append({"config": name, "depth": depth, "passkey": key,
+                                 "answer": answer, "target_correct": key in answer,
+                                 "draft_acceptance": accepted / drafted if drafted else None})
+                    progress.update(1)
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+    return {"machine": machine_info(), "context_tokens": args.needle_length, "rows": rows}
+
+
+def needle_table(rows: list[dict[str, Any]]) -> str:
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    depths = sorted({r["depth"] for r in rows})
+    lines = ["| config | " + " | ".join(f"depth {d:.0%}" for d in depths)
+             + " | mean draft acceptance | target correct |",
+             "|---|" + "---:|" * (len(depths) + 2)]
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        by_depth = {r["depth"]: r for r in mine}
+        acceptance = [r["draft_acceptance"] or 0.0 for r in mine]
+        lines.append(
+            f"| {config} | "
+            + " | ".join(f"{100 * (by_depth[d]['draft_acceptance'] or 0):.0f}%" for d in depths)
+            + f" | {100 * sum(acceptance) / len(acceptance):.1f}% | "
+            f"{sum(r['target_correct'] for r in mine)}/{len(mine)} |"
+        )
+    return "\n".join(lines)
+
+
+def write_needle(result: dict[str, Any], out_dir: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    table = needle_table(rows)
+    (out_dir / "needle.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "needle.md").write_text(
+        f"# Needle retrieval, {result['context_tokens']} tokens: draft acceptance on the "
+        f"answer span\n\n{table}\n")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = sorted((r for r in rows if r["config"] == config), key=lambda r: r["depth"])
+        ax.plot([r["depth"] for r in mine], [r["draft_acceptance"] or 0 for r in mine],
+                marker="o", label=config)
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("draft acceptance on the answer")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "needle.png", dpi=120)
+    plt.close(fig)
+    return table
+
+
 # ---- main --------------------------------------------------------------------
 
 
@@ -396,6 +515,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=int, default=3)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="enforce_eager (torch.compile start-up is slow on 2 cores)")
+    parser.add_argument("--needle", action="store_true",
+                        help="run the needle-retrieval benchmark instead")
+    parser.add_argument("--needle-length", type=int, default=4096)
+    parser.add_argument("--needle-tokens", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="main")
     return parser.parse_args(argv)
@@ -408,6 +531,10 @@ def main(argv=None) -> None:
     args.target = resolve_model(args.target)
     args.draft = resolve_model(args.draft)
     out_dir = args.out or RESULTS_DIR / args.name
+    if args.needle:
+        print(write_needle(run_needle(args), out_dir))
+        print(f"\nresults: {out_dir}/needle.{{json,md,png}}")
+        return
     title = (f"{Path(args.target).name} / draft {Path(args.draft).name}, "
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine_info()['cpu_count']} CPU cores")
     table = write_results(run_benchmark(args), out_dir, title)

@@ -1,0 +1,26 @@
+"""Query the server started by examples/serve.sh: a completion, a streamed chat."""
+
+from pathlib import Path
+
+from openai import OpenAI
+
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "austen"
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+passage = (CORPUS / "emma.txt").read_text(encoding="utf-8")[10_000:30_000]
+
+completion = client.completions.create(
+    model="qwen-coder", prompt="def fibonacci(n):", max_tokens=48, temperature=0
+)
+print(completion.choices[0].text)
+
+stream = client.chat.completions.create(
+    model="qwen-coder",
+    messages=[{"role": "user", "content": f"{passage}\n\nSummarize this passage."}],
+    max_tokens=96,
+    temperature=0,
+    stream=True,
+)
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
