@@ -442,6 +442,71 @@ def write_needle(result: dict[str, Any], out_dir: Path) -> str:
     return table
 
 
+# ---- tuning sweep ------------------------------------------------------------
+
+# One option changed at a time from the defaults.
+SWEEP_POINTS: tuple[dict[str, Any], ...] = (
+    {},
+    {"top_k_chunks": 2}, {"top_k_chunks": 4}, {"top_k_chunks": 16},
+    {"chunk_size": 256, "top_k_chunks": 4},
+    {"recent_tokens": 128}, {"recent_tokens": 512},
+    {"retrieval_interval": 1}, {"retrieval_interval": 8},
+    {"score_aggregation": "accepted_tokens"},
+    {"mode": "streaming"},
+)
+
+
+def _reconfigure(worker, options: dict) -> None:
+    from vllm_specextend.config import SpecExtendConfig
+
+    worker.model_runner.drafter.reconfigure(SpecExtendConfig.from_dict(options))
+
+
+def run_sweep(args) -> dict[str, Any]:
+    """One cmr engine with prefix caching: each prompt is prefilled once, then
+    every option point re-decodes it, so a point costs only its decode."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    text = load_corpus(args.corpus)
+    prompts = {n: summarization_prompt(tokenizer, text, n, offset=args.offset)
+               for n in args.lengths}
+    base = json.loads(args.spec_extend) if args.spec_extend else {}
+    llm = LLM(**engine_kwargs(args, "cmr", {**base, "mode": "cmr"})
+              | {"enable_prefix_caching": True})
+    measurements: list[Measurement] = []
+    try:
+        llm.collective_rpc(_install_timers)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        for ids in prompts.values():  # prefill once; later runs hit the cache
+            llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                         SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        with tqdm(total=len(SWEEP_POINTS) * len(prompts), desc="sweep", unit="run") as bar:
+            for point in SWEEP_POINTS:
+                options = {**base, "mode": "cmr", **point}
+                label = ", ".join(f"{k}={v}" for k, v in point.items()) or "defaults"
+                llm.collective_rpc(_reconfigure, args=(options,))
+                for length, ids in prompts.items():
+                    c0, t0 = _spec_counters(llm), llm.collective_rpc(_read_timers)[0]
+                    output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
+                                          use_tqdm=False)[0]
+                    c1, t1 = _spec_counters(llm), llm.collective_rpc(_read_timers)[0]
+                    measurements.append(_measurement(label, length, output, c0, c1, t0, t1))
+                    bar.update(1)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return {
+        "machine": machine_info(),
+        "base_options": base,
+        "points": list(SWEEP_POINTS),
+        "measurements": [asdict(m) for m in measurements],
+        "_objects": measurements,
+    }
+
+
 # ---- main --------------------------------------------------------------------
 
 
@@ -515,6 +580,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=int, default=3)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="enforce_eager (torch.compile start-up is slow on 2 cores)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="run the option sweep (defaults: 4K and 8K) instead")
     parser.add_argument("--needle", action="store_true",
                         help="run the needle-retrieval benchmark instead")
     parser.add_argument("--needle-length", type=int, default=4096)
@@ -531,6 +598,17 @@ def main(argv=None) -> None:
     args.target = resolve_model(args.target)
     args.draft = resolve_model(args.draft)
     out_dir = args.out or RESULTS_DIR / args.name
+    if args.sweep:
+        if args.lengths == parse_args([]).lengths:
+            args.lengths = [4096, 8192]
+        result = run_sweep(args)
+        objects = result.pop("_objects")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table = markdown_table(objects)
+        (out_dir / "sweep.json").write_text(json.dumps(result, indent=2))
+        (out_dir / "sweep.md").write_text(f"# Option sweep (cmr)\n\n{table}\n")
+        print(table)
+        return
     if args.needle:
         print(write_needle(run_needle(args), out_dir))
         print(f"\nresults: {out_dir}/needle.{{json,md,png}}")

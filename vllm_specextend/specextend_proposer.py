@@ -132,6 +132,9 @@ class SpecExtendProposer(DraftModelProposer):
             device=self.device,
         )
         install_tap(layer, self.tap)
+        self._allocate_selection_state()
+
+    def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
         self._selected_blocks = torch.ones(
             self.max_batch_size, max_blocks, dtype=torch.bool, device=self.device
@@ -142,6 +145,19 @@ class SpecExtendProposer(DraftModelProposer):
             dtype=torch.float32,
             device=self.device,
         )
+
+    def reconfigure(self, config: SpecExtendConfig) -> None:
+        """Swap retrieval options between requests (used by the tuning sweep).
+
+        Every request's selection is dropped and recomputed at its next step.
+        """
+        if not config.enabled:
+            raise ValueError("reconfigure needs an enabled mode (cmr or streaming)")
+        self.spec_extend_config = config
+        self.chunk_size = config.resolved_chunk_size(self.block_size)
+        for req_id in list(self._requests):
+            self._forget(req_id)
+        self._allocate_selection_state()
 
     # ---- the seam into drafting ------------------------------------------
 
