@@ -154,9 +154,14 @@ def resolve_model(name_or_path: str) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", choices=[[], *MODELS],
-                        default=[QWEN_CODER_1_5B.name, QWEN_CODER_0_5B.name])
-    for name in parser.parse_args(argv).names or [QWEN_CODER_1_5B.name, QWEN_CODER_0_5B.name]:
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"models to fetch (default: the Qwen pair); one of {list(MODELS)}")
+    args = parser.parse_args(argv)
+    names = args.names or [QWEN_CODER_1_5B.name, QWEN_CODER_0_5B.name]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    for name in names:
         print(name, ensure_model(MODELS[name]))
 
 

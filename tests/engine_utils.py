@@ -32,10 +32,15 @@ class EngineRun:
     retrieval: dict[str, Any] | None
 
 
-def drafter_stats(worker) -> dict[str, Any] | None:
-    drafter = getattr(worker.model_runner, "drafter", None)
-    stats = getattr(drafter, "stats", None)
-    return None if stats is None else stats.as_dict()
+def retrieval_metrics(llm) -> dict[str, Any] | None:
+    """SpecExtend's figures as ``LLM.get_metrics()`` reports them, by name
+    without the ``vllm:spec_extend_`` prefix; None when there are none."""
+    figures = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_extend_"):
+            name = metric.name.removeprefix("vllm:spec_extend_")
+            figures[name] = metric if hasattr(metric, "buckets") else metric.value
+    return figures or None
 
 
 def spec_decode_counters(llm) -> dict[str, Any]:
@@ -94,7 +99,7 @@ def run_engine(
             )
             token_ids += [list(o.outputs[0].token_ids) for o in outputs]
         counters = spec_decode_counters(llm) if draft is not None else {}
-        retrieval = llm.collective_rpc(drafter_stats)[0] if draft is not None else None
+        retrieval = retrieval_metrics(llm)
     return EngineRun(token_ids, counters, retrieval)
 
 

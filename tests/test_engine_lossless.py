@@ -83,6 +83,13 @@ def test_retrieval_keeping_everything_is_identical_to_stock(
     assert run.spec_decode == stock_draft.spec_decode
     assert run.retrieval["retrievals"] > 0
     assert run.retrieval["kept_fraction"] == 1.0
+    # Every drafting step went through retrieval, so its figures match vLLM's.
+    counters = run.spec_decode
+    assert run.retrieval["mean_acceptance_length"] == pytest.approx(
+        1 + counters["num_accepted_tokens"] / counters["num_drafts"])
+    # Requests leave the drafter's state at the step after they finish.
+    assert run.retrieval["finished_requests"] + run.retrieval["tracked_requests"] == len(prompts)
+    assert run.retrieval["request_kept_fraction"].count == run.retrieval["finished_requests"]
 
 
 def test_draft_equal_to_target_accepts_less_when_it_sees_less(

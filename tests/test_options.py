@@ -82,3 +82,34 @@ def test_valid_options_and_mode_off_pass(target_model, draft_model):
     assert config.additional_config["spec_extend"]["top_k_chunks"] == 4
     # mode "off" is stock drafting and needs no draft model.
     engine_config(target_model, spec_extend={"mode": "off"})
+
+
+def sliding_window_copy(model, tmp_path, window=256):
+    """``model`` as a Mistral with sliding-window attention (config only)."""
+    import json
+
+    out = tmp_path / "sliding"
+    out.mkdir()
+    for path in model.iterdir():
+        (out / path.name).symlink_to(path)
+    (out / "config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"],
+                  sliding_window=window)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_sliding_window_target_is_refused_with_reason(target_model, draft_model, tmp_path):
+    sliding = sliding_window_copy(target_model, tmp_path)
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"the target model .* uses sliding-window attention \(sliding_window=256\)"):
+        engine_config(sliding, draft_model, spec_extend={})
+    # Without spec_extend the same engine is stock and accepted.
+    engine_config(sliding, draft_model)
+
+
+def test_sliding_window_draft_is_refused_with_reason(target_model, draft_model, tmp_path):
+    sliding = sliding_window_copy(draft_model, tmp_path)
+    with pytest.raises(SpecExtendConfigError, match=r"the draft model .* uses sliding-window"):
+        engine_config(target_model, sliding, spec_extend={})

@@ -42,6 +42,29 @@ def test_attention_scores_match_dense_softmax_with_gqa():
     torch.testing.assert_close(got.sum(-1)[0], torch.tensor([8.0, 8.0, 0.0]))
 
 
+def test_tensor_parallel_partial_scores_sum_to_full_and_select_alike():
+    # With tensor parallelism each rank holds a slice of the query and KV
+    # heads; the proposer all-reduces (sums) its partial scores. The sum of
+    # the per-rank partials must be the full-model score, so every rank
+    # selects the same blocks.
+    torch.manual_seed(1)
+    q = torch.randn(2, 1, 8, 16)
+    k = torch.randn(2, 256, 4, 16)
+    pos = torch.tensor([[255], [200]])
+    full = attention_scores(q, k, pos, scale=0.25)
+    ranks = [attention_scores(q[:, :, 4 * r : 4 * r + 4], k[:, :, 2 * r : 2 * r + 2], pos, 0.25)
+             for r in range(2)]
+    torch.testing.assert_close(ranks[0] + ranks[1], full)
+    seq_lens = torch.tensor([256, 201])
+    chunks = chunk_scores((ranks[0] + ranks[1]).sum(1), seq_lens, 32)
+    assert not torch.equal(ranks[0], ranks[1])
+    keep = select_blocks(chunks, torch.tensor([6, 4]), top_k_chunks=2, sink_blocks=1,
+                         blocks_per_chunk=2, num_blocks=16)
+    want = select_blocks(chunk_scores(full.sum(1), seq_lens, 32), torch.tensor([6, 4]),
+                         top_k_chunks=2, sink_blocks=1, blocks_per_chunk=2, num_blocks=16)
+    assert torch.equal(keep, want)
+
+
 def test_context_keys_follow_the_block_table():
     block_size, heads, dim = 4, 2, 3
     buffer = torch.randn(10 * block_size + 1, heads, dim)

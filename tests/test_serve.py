@@ -54,8 +54,11 @@ def serve_args(target, draft=None, spec_extend=None, port=0) -> list[str]:
 def server(target, draft=None, spec_extend=None):
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"specextend-serve-{port}.log", "w+")
+    # Unbuffered, so the log holds every line the server has written so far.
     process = subprocess.Popen(serve_args(target, draft, spec_extend, port),
-                               stdout=log, stderr=subprocess.STDOUT)
+                               stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                    "VLLM_LOG_STATS_INTERVAL": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 240
@@ -154,14 +157,31 @@ def test_served_outputs_equal_target_only_server(target_model, draft_model):
         reference = run_mix(base, mix)
     with server(target_model, draft_model, SMALL_CACHE) as (base, log):
         served = run_mix(base, mix)
-        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        time.sleep(3)  # retrieval figures refresh with vLLM's stats log (1 s here)
+        metrics = prometheus_values(requests.get(f"{base}/metrics", timeout=10).text)
         log.seek(0)
         assert "SpecExtend: scoring with the target's last attention layer" in log.read()
     assert served == reference
     assert all(r for r, item in zip(reference, mix + [None]) if item is None or item[3] is None)
-    drafts = [line for line in metrics.splitlines()
-              if line.startswith("vllm:spec_decode_num_drafts_total")]
-    assert drafts and float(drafts[0].split()[-1]) > 0
+    assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+    assert metrics["vllm:spec_extend_retrievals_total"] > 0
+    assert 0 < metrics["vllm:spec_extend_kept_fraction"] < 0.5
+    assert metrics["vllm:spec_extend_kept_tokens_total"] < metrics[
+        "vllm:spec_extend_context_tokens_total"]
+    assert metrics["vllm:spec_extend_mean_acceptance_length"] >= 1
+    assert metrics["vllm:spec_extend_finished_requests_total"] > 0
+    assert metrics["vllm:spec_extend_request_kept_fraction_count"] == metrics[
+        "vllm:spec_extend_finished_requests_total"]
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """Unlabelled view of a /metrics page: name -> value of its first sample."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            values.setdefault(name, float(line.rsplit(" ", 1)[-1]))
+    return values
 
 
 def test_bad_additional_config_stops_the_server_with_the_key(target_model, draft_model):

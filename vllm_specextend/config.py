@@ -40,7 +40,7 @@ class SpecExtendConfig:
     smallest multiple of the KV block size that is at least 32 tokens (the
     paper's chunk)."""
 
-    top_k_chunks: int = 8
+    top_k_chunks: int = 4
     """Chunks kept besides the sink and the recent window."""
 
     sink_tokens: int = 32

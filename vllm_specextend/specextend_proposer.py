@@ -49,6 +49,7 @@ class _RequestState:
     slot: int
     steps_since_retrieval: int = 0
     has_selection: bool = False
+    retrievals: int = 0
 
 
 @dataclass
@@ -68,7 +69,7 @@ class SpecExtendProposer(DraftModelProposer):
         self.runner = runner
         self.tap: TargetAttentionTap | None = None
         self.target_layer_name: str | None = None
-        self.stats = RetrievalStats()
+        self.stats = RetrievalStats(max_requests=self.max_batch_size, device=device)
         self._requests: dict[str, _RequestState] = {}
         self._free_slots = list(range(self.max_batch_size))
         self._draft_view: _DraftView | None = None
@@ -156,7 +157,7 @@ class SpecExtendProposer(DraftModelProposer):
         self.spec_extend_config = config
         self.chunk_size = config.resolved_chunk_size(self.block_size)
         for req_id in list(self._requests):
-            self._forget(req_id)
+            self._forget(req_id, finished=False)
         self._allocate_selection_state()
 
     # ---- the seam into drafting ------------------------------------------
@@ -288,6 +289,7 @@ class SpecExtendProposer(DraftModelProposer):
                 state = self._requests[req_ids[row]]
                 state.has_selection = True
                 state.steps_since_retrieval = 0
+                state.retrievals += 1
             self.stats.retrievals += len(due_rows)
 
         batch = cad.seq_lens.shape[0]
@@ -297,8 +299,13 @@ class SpecExtendProposer(DraftModelProposer):
         compact, removed = rewrite_block_table(
             block_table[:batch], keep_all, self.block_size
         )
+        # Tokens gained at the verification just done: accepted drafts + 1.
+        accepted = token_indices_to_sample[rows_t] - cad.query_start_loc[rows_t] + 1
         self.stats.record_step(
-            context_tokens=cad.seq_lens[rows_t], removed_tokens=removed[rows_t]
+            slots_of(rows),
+            context_tokens=cad.seq_lens[rows_t],
+            removed_tokens=removed[rows_t],
+            acceptance_lengths=torch.where(query_lens[rows_t] > 1, accepted, 0),
         )
         return _DraftView(block_table=compact, removed_tokens=removed)
 
@@ -346,6 +353,20 @@ class SpecExtendProposer(DraftModelProposer):
 
     # ---- per-request state ------------------------------------------------
 
+    def metrics_snapshot(self) -> dict[str, object]:
+        """Aggregate and per-request retrieval figures (reads the device)."""
+        return {
+            **self.stats.as_dict(),
+            "tracked_requests": len(self._requests),
+            "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
+            "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
+            "requests": {
+                req_id: {"retrievals": state.retrievals,
+                         **self.stats.request_figures(state.slot)}
+                for req_id, state in self._requests.items()
+            },
+        }
+
     @property
     def num_tracked_requests(self) -> int:
         return len(self._requests)
@@ -355,10 +376,15 @@ class SpecExtendProposer(DraftModelProposer):
         self._requests[req_id] = state
         return state
 
-    def _forget(self, req_id: str) -> None:
+    def _forget(self, req_id: str, finished: bool = True) -> None:
         state = self._requests.pop(req_id, None)
-        if state is not None:
-            self._free_slots.append(state.slot)
+        if state is None:
+            return
+        if finished:
+            self.stats.finish_request(state.slot)
+        else:
+            self.stats.clear_slot(state.slot)
+        self._free_slots.append(state.slot)
 
     def _forget_requests_not_in(self, req_ids: list[str]) -> None:
         """Free the state of finished, aborted or preempted requests."""

@@ -1,4 +1,8 @@
-"""Counters of what retrieval did, for benchmarks and metrics."""
+"""Counters of what retrieval did, for benchmarks and metrics.
+
+Everything is accumulated on the device (no host sync in the drafting loop)
+and read only by ``as_dict``, outside the engine step.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +10,125 @@ from dataclasses import dataclass, field
 
 import torch
 
+KEPT_FRACTION_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0)
+ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+# Columns of the per-request accumulators (one row per request slot).
+CONTEXT, KEPT, DRAFT_STEPS, ACCEPTED = range(4)
+
+
+class DeviceHistogram:
+    """A Prometheus-style histogram whose observations stay on the device."""
+
+    def __init__(self, buckets: tuple[float, ...], device: torch.device) -> None:
+        self.buckets = buckets
+        self._bounds = torch.tensor(buckets, dtype=torch.float64, device=device)
+        # Per bucket (upper bounds, then +Inf), the sum and the count.
+        self._counts = torch.zeros(len(buckets) + 1, dtype=torch.int64, device=device)
+        self._sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def observe(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Observe ``values[mask]`` without reading the mask on the host."""
+        values = values.to(torch.float64).reshape(-1)
+        mask = mask.reshape(-1)
+        index = torch.bucketize(values, self._bounds)
+        self._counts.index_add_(0, index, mask.to(torch.int64))
+        self._sum += torch.where(mask, values, 0.0).sum()
+
+    def as_dict(self) -> dict[str, object]:
+        counts = self._counts.tolist()
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        return {
+            "buckets": list(self.buckets),
+            "cumulative_counts": cumulative,  # last entry: +Inf, the total
+            "sum": float(self._sum),
+            "count": cumulative[-1],
+        }
+
 
 @dataclass
 class RetrievalStats:
-    """Totals since engine start. Token sums stay on the device (no host sync
-    in the drafting loop) until ``as_dict`` reads them."""
+    """Totals since engine start, and per request while it runs."""
 
+    max_requests: int
+    device: torch.device
     retrievals: int = 0
     """Per-request selections recomputed."""
     compacted_request_steps: int = 0
     """Request-steps drafted through a compacted block table."""
-    _context_tokens: torch.Tensor | None = field(default=None, repr=False)
-    _kept_tokens: torch.Tensor | None = field(default=None, repr=False)
+    finished_requests: int = 0
+    """Requests retrieval served that have left the batch."""
+    _totals: torch.Tensor = field(init=False, repr=False)
+    _per_slot: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # context, kept, draft steps, accepted (acceptance lengths summed).
+        self._totals = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._per_slot = torch.zeros(
+            self.max_requests, 4, dtype=torch.int64, device=self.device
+        )
+        self.request_kept_fraction = DeviceHistogram(KEPT_FRACTION_BUCKETS, self.device)
+        self.request_acceptance_length = DeviceHistogram(
+            ACCEPTANCE_LENGTH_BUCKETS, self.device
+        )
 
     def record_step(
-        self, context_tokens: torch.Tensor, removed_tokens: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        context_tokens: torch.Tensor,
+        removed_tokens: torch.Tensor,
+        acceptance_lengths: torch.Tensor,
     ) -> None:
-        context = context_tokens.sum(dtype=torch.int64)
-        kept = context - removed_tokens.sum(dtype=torch.int64)
-        if self._context_tokens is None:
-            self._context_tokens, self._kept_tokens = context, kept
-        else:
-            self._context_tokens = self._context_tokens + context
-            self._kept_tokens = self._kept_tokens + kept
-        self.compacted_request_steps += context_tokens.shape[0]
+        """One drafting step of the requests in ``slots``.
+
+        ``acceptance_lengths``: tokens each request gained at the verification
+        that preceded this step; 0 where nothing was verified (no drafts).
+        """
+        context = context_tokens.to(torch.int64)
+        step = torch.stack(
+            [
+                context,
+                context - removed_tokens.to(torch.int64),
+                (acceptance_lengths > 0).to(torch.int64),
+                acceptance_lengths.to(torch.int64),
+            ],
+            dim=1,
+        )
+        self._per_slot.index_add_(0, slots, step)
+        self._totals += step.sum(dim=0)
+        self.compacted_request_steps += int(slots.shape[0])
+
+    def finish_request(self, slot: int) -> None:
+        """Fold a leaving request's figures into the histograms."""
+        row = self._per_slot[slot].to(torch.float64)
+        self.request_kept_fraction.observe(
+            row[KEPT] / row[CONTEXT].clamp(min=1), row[CONTEXT] > 0
+        )
+        self.request_acceptance_length.observe(
+            row[ACCEPTED] / row[DRAFT_STEPS].clamp(min=1), row[DRAFT_STEPS] > 0
+        )
+        self.finished_requests += 1
+        self.clear_slot(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        self._per_slot[slot] = 0
+
+    def request_figures(self, slot: int) -> dict[str, float]:
+        context, kept, steps, accepted = self._per_slot[slot].tolist()
+        return {
+            "kept_fraction": kept / context if context else 1.0,
+            "mean_acceptance_length": accepted / steps if steps else 0.0,
+            "verifications": steps,
+        }
 
     def as_dict(self) -> dict[str, float]:
-        context = 0 if self._context_tokens is None else int(self._context_tokens)
-        kept = 0 if self._kept_tokens is None else int(self._kept_tokens)
+        context, kept, steps, accepted = self._totals.tolist()
         return {
             "retrievals": self.retrievals,
             "compacted_request_steps": self.compacted_request_steps,
             "context_tokens": context,
             "kept_tokens": kept,
             "kept_fraction": kept / context if context else 1.0,
+            "mean_acceptance_length": accepted / steps if steps else 0.0,
+            "finished_requests": self.finished_requests,
         }

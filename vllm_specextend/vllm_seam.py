@@ -1,6 +1,6 @@
 """The one seam between SpecExtend and vLLM.
 
-Two vLLM entry points are wrapped, each once and only when vLLM imports its
+vLLM entry points are wrapped, each once and only when vLLM imports its
 module (so a front-end process never imports the model runner for us):
 
 - ``EngineArgs.create_engine_config``: validates ``spec_extend`` options when
@@ -9,9 +9,12 @@ module (so a front-end process never imports the model runner for us):
 - ``GPUModelRunner.__init__`` (the CPU runner is its subclass): while a runner
   with ``spec_extend`` is built, the runner module's ``DraftModelProposer``
   name points to :class:`SpecExtendProposer`; it is restored right after, so
-  the stock class is untouched and ``isinstance`` checks keep working.
+  the stock class is untouched and ``isinstance`` checks keep working. The
+  worker gains ``spec_extend_metrics`` for ``collective_rpc``.
+- ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
+  figures from the worker into Prometheus first (see ``metrics.py``).
 
-Without ``spec_extend`` options both wrappers call straight through.
+Without ``spec_extend`` options every wrapper calls straight through.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from vllm_specextend.config import (
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
+ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 _PATCHED_MARK = "_specextend_wrapped"
 
 
@@ -60,6 +65,11 @@ def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
             "spec_extend does not support parallel_drafting=True in "
             "speculative_config; remove it"
         )
+    for role, model_config in (
+        ("target", vllm_config.model_config),
+        ("draft", spec.draft_model_config),
+    ):
+        _check_full_attention(role, model_config)
     block_size = vllm_config.cache_config.block_size
     if block_size is not None:
         config.resolved_chunk_size(block_size)
@@ -72,10 +82,29 @@ def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
     return config
 
 
+def _check_full_attention(role: str, model_config: Any) -> None:
+    """Refuse models whose KV cache is not one full-attention block table."""
+    if model_config is None:
+        return
+    if model_config.is_hybrid or model_config.is_attention_free:
+        kind = "hybrid or attention-free layers (state-space / linear attention)"
+    elif model_config.get_sliding_window() is not None:
+        kind = f"sliding-window attention (sliding_window={model_config.get_sliding_window()})"
+    else:
+        return
+    raise SpecExtendConfigError(
+        f"spec_extend rewrites one full-attention block table shared by target and "
+        f"draft, but the {role} model {model_config.model} uses {kind}, whose KV "
+        "cache it cannot compact. Use full-attention models, or remove spec_extend."
+    )
+
+
 def install() -> None:
     """Wrap vLLM's entry points once their modules are imported (idempotent)."""
     when_imported(ENGINE_ARGS_MODULE, _wrap_create_engine_config)
     when_imported(MODEL_RUNNER_MODULE, _wrap_model_runner_init)
+    when_imported(LLM_ENGINE_MODULE, _wrap_llm_engine_get_metrics)
+    when_imported(ASYNC_LLM_MODULE, _wrap_async_llm_do_log_stats)
 
 
 def install_version_guard(message: str) -> None:
@@ -126,6 +155,7 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
         from vllm_specextend.specextend_proposer import SpecExtendProposer
 
         patch_cpu_rejection_sampler()
+        _add_worker_metrics_method()
         stock = module.DraftModelProposer
         module.DraftModelProposer = SpecExtendProposer
         try:
@@ -135,6 +165,57 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
 
     setattr(__init__, _PATCHED_MARK, True)
     runner_cls.__init__ = __init__
+
+
+def _add_worker_metrics_method() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from vllm_specextend.metrics import WORKER_METHOD, worker_metrics
+
+    if not hasattr(WorkerBase, WORKER_METHOD):
+        setattr(WorkerBase, WORKER_METHOD, worker_metrics)
+
+
+def _wrap_llm_engine_get_metrics(module: ModuleType) -> None:
+    engine_cls = module.LLMEngine
+    original = engine_cls.get_metrics
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def get_metrics(self):
+        if spec_extend_config(self.vllm_config) is not None:
+            from vllm_specextend import metrics
+
+            results = self.collective_rpc(metrics.WORKER_METHOD)
+            metrics.collector().update(
+                metrics.model_name(self.vllm_config), metrics.first_snapshot(results)
+            )
+        return original(self)
+
+    setattr(get_metrics, _PATCHED_MARK, True)
+    engine_cls.get_metrics = get_metrics
+
+
+def _wrap_async_llm_do_log_stats(module: ModuleType) -> None:
+    engine_cls = module.AsyncLLM
+    original = engine_cls.do_log_stats
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    async def do_log_stats(self):
+        if spec_extend_config(self.vllm_config) is not None and not self.errored:
+            from vllm_specextend import metrics
+
+            results = await self.collective_rpc(metrics.WORKER_METHOD)
+            metrics.collector().update(
+                metrics.model_name(self.vllm_config), metrics.first_snapshot(results)
+            )
+        await original(self)
+
+    setattr(do_log_stats, _PATCHED_MARK, True)
+    engine_cls.do_log_stats = do_log_stats
 
 
 # ---- post-import hooks ----------------------------------------------------

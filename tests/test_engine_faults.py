@@ -1,0 +1,85 @@
+"""Faults: preemption, aborts, max_model_len, many requests. No crash, no
+output change, and per-request retrieval state returns to empty (read through
+the public metrics: ``vllm:spec_extend_tracked_requests``)."""
+
+import pytest
+
+from tests.engine_utils import corpus_prompts, engine, retrieval_metrics, run_engine
+
+pytestmark = pytest.mark.engine
+
+SMALL_CACHE = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
+               "min_context_tokens": 256}
+
+
+def tracked_requests(llm) -> int:
+    return retrieval_metrics(llm)["tracked_requests"]
+
+
+def greedy(max_tokens):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def tokens(prompt_ids):
+    from vllm import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=prompt_ids)
+
+
+def settle_and_count(llm) -> int:
+    """Tracked requests after one more short request (finished requests are
+    reported to the worker at the next step)."""
+    llm.generate([tokens([5, 6, 7])], greedy(2), use_tqdm=False)
+    return tracked_requests(llm)
+
+
+def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model):
+    prompts = corpus_prompts(target_model, [600, 650, 700, 750])
+    reference = run_engine(target_model, prompts, 200).token_ids
+    # Target and draft each hold 4 layers x (K, V) x 2 heads x 32 dims x fp32
+    # = 2 KiB per token: 96 blocks of 32 tokens (3,072 tokens) admit all four
+    # prompts (2,700 tokens), but not their 800 generated tokens on top.
+    kv_bytes = 96 * 32 * 2 * 2048
+    with engine(target_model, draft_model, spec_extend=SMALL_CACHE,
+                kv_cache_memory_bytes=kv_bytes, max_model_len=3000) as llm:
+        outputs = llm.generate([tokens(p) for p in prompts], greedy(200), use_tqdm=False)
+        preemptions = [m.value for m in llm.get_metrics()
+                       if m.name == "vllm:num_preemptions"]
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        assert preemptions and preemptions[0] > 0
+        assert settle_and_count(llm) == 0
+
+
+def test_aborts_max_model_len_and_many_requests(target_model, draft_model):
+    long_prompts = corpus_prompts(target_model, [1500, 1800, 2100])
+    near_limit = corpus_prompts(target_model, [4060], offset=30_000)[0]
+    with engine(target_model, draft_model, spec_extend=SMALL_CACHE,
+                max_model_len=4096, enable_prefix_caching=True) as llm:
+        engine_core = llm.llm_engine
+        # Abort two of three long requests mid-decode.
+        for i, prompt in enumerate(long_prompts):
+            engine_core.add_request(f"abort-{i}", tokens(prompt), greedy(200))
+        for _ in range(12):
+            engine_core.step()
+        assert tracked_requests(llm) == 3
+        engine_core.abort_request(["abort-0", "abort-2"])
+        finished = {}
+        while engine_core.has_unfinished_requests():
+            for output in engine_core.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        assert list(finished) == ["abort-1"]
+        assert len(finished["abort-1"].outputs[0].token_ids) == 200
+
+        # A request that runs into max_model_len stops there.
+        out = llm.generate([tokens(near_limit)], greedy(100), use_tqdm=False)[0]
+        assert len(near_limit) + len(out.outputs[0].token_ids) == 4096
+        assert out.outputs[0].finish_reason == "length"
+
+        # 1,000 requests, long enough for retrieval, through one engine.
+        many = [tokens(long_prompts[i % 3][: 600 + i % 7]) for i in range(1000)]
+        outputs = llm.generate(many, greedy(4), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+        assert settle_and_count(llm) == 0

@@ -1,0 +1,115 @@
+"""Retrieval figures in vLLM's Prometheus registry (``/metrics``, ``LLM.get_metrics()``).
+
+The figures live in the worker, next to the drafter. The front-end pulls them
+with ``collective_rpc("spec_extend_metrics")`` (rank 0's answer: all ranks
+select alike) when ``LLM.get_metrics()`` is called, and in a server each time
+vLLM logs its stats (every ``VLLM_LOG_STATS_INTERVAL`` seconds, default 10).
+A collector in the default Prometheus registry publishes the latest pull,
+labelled by ``model_name`` like vLLM's own metrics. Nothing is registered for
+an engine without ``spec_extend``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+WORKER_METHOD = "spec_extend_metrics"
+
+_COUNTERS = {
+    "retrievals": "Per-request selections of the draft's kept KV blocks.",
+    "compacted_request_steps": "Request-steps drafted through a compacted block table.",
+    "context_tokens": "Context tokens of the compacted drafting steps.",
+    "kept_tokens": "Tokens the draft attended to in the compacted drafting steps.",
+    "finished_requests": "Requests served by retrieval that left the batch.",
+}
+_GAUGES = {
+    "kept_fraction": "Kept tokens / context tokens over all compacted drafting steps.",
+    "mean_acceptance_length": "Mean tokens per verification of retrieval-served requests.",
+    "tracked_requests": "Requests holding per-request retrieval state now.",
+}
+_HISTOGRAMS = {
+    "request_kept_fraction": "Per finished request: kept tokens / context tokens.",
+    "request_acceptance_length": "Per finished request: mean tokens per verification.",
+}
+
+
+def worker_metrics(worker: Any) -> dict[str, Any] | None:
+    """``Worker.spec_extend_metrics``: the drafter's figures, if it retrieves."""
+    from vllm_specextend.specextend_proposer import SpecExtendProposer
+
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return drafter.metrics_snapshot() if isinstance(drafter, SpecExtendProposer) else None
+
+
+def first_snapshot(results: list[Any]) -> dict[str, Any] | None:
+    return next((r for r in results if r is not None), None)
+
+
+class SpecExtendCollector:
+    """Publishes the latest pulled snapshot of each model's retrieval figures."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshots: dict[str, dict[str, Any]] = {}
+
+    def update(self, model_name: str, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is not None:
+            with self._lock:
+                self._snapshots[model_name] = snapshot
+
+    def snapshot(self, model_name: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._snapshots.get(model_name)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        with self._lock:
+            snapshots = dict(self._snapshots)
+        if not snapshots:
+            return
+        for key, doc in _COUNTERS.items():
+            family = CounterMetricFamily(f"vllm:spec_extend_{key}", doc, labels=["model_name"])
+            for model, snap in snapshots.items():
+                family.add_metric([model], snap[key])
+            yield family
+        for key, doc in _GAUGES.items():
+            family = GaugeMetricFamily(f"vllm:spec_extend_{key}", doc, labels=["model_name"])
+            for model, snap in snapshots.items():
+                family.add_metric([model], snap[key])
+            yield family
+        for key, doc in _HISTOGRAMS.items():
+            family = HistogramMetricFamily(f"vllm:spec_extend_{key}", doc, labels=["model_name"])
+            for model, snap in snapshots.items():
+                hist = snap[key]
+                bounds = [str(b) for b in hist["buckets"]] + ["+Inf"]
+                family.add_metric(
+                    [model], list(zip(bounds, hist["cumulative_counts"])), hist["sum"]
+                )
+            yield family
+
+
+_collector: SpecExtendCollector | None = None
+_collector_lock = threading.Lock()
+
+
+def collector() -> SpecExtendCollector:
+    """The process's collector, registered with Prometheus on first use."""
+    global _collector
+    with _collector_lock:
+        if _collector is None:
+            from prometheus_client import REGISTRY
+
+            _collector = SpecExtendCollector()
+            REGISTRY.register(_collector)
+        return _collector
+
+
+def model_name(vllm_config: Any) -> str:
+    return str(vllm_config.model_config.served_model_name)
