@@ -58,27 +58,35 @@ class Measurement:
 
 
 def _install_timers(worker) -> None:
-    """Accumulate wall time of the runner step, the drafter and retrieval."""
+    """Accumulate wall time of decode steps: the whole runner step, the
+    drafter and retrieval. Steps that prefill any request are left out."""
     runner = worker.model_runner
+    spec = runner.vllm_config.speculative_config
+    max_decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
     timers = {"step": 0.0, "steps": 0, "draft": 0.0, "retrieval": 0.0}
     runner._bench_timers = timers
+    state = {"decode": False}
 
-    def timed(obj, name, key, count=False):
+    def timed(obj, name, key, starts_step=False):
         original = getattr(obj, name)
 
         def wrapper(*args, **kwargs):
+            if starts_step:
+                scheduler_output = args[0] if args else kwargs["scheduler_output"]
+                scheduled = scheduler_output.num_scheduled_tokens
+                state["decode"] = bool(scheduled) and max(scheduled.values()) <= max_decode_tokens
+                timers["steps"] += state["decode"]
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                timers[key] += time.perf_counter() - start
-                if count:
-                    timers["steps"] += 1
+                if state["decode"]:
+                    timers[key] += time.perf_counter() - start
 
         setattr(obj, name, wrapper)
 
     # Drafting runs in sample_tokens, after execute_model returns.
-    timed(runner, "execute_model", "step", count=True)
+    timed(runner, "execute_model", "step", starts_step=True)
     timed(runner, "sample_tokens", "step")
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "propose"):
@@ -587,7 +595,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--needle-length", type=int, default=4096)
     parser.add_argument("--needle-tokens", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--name", default="main")
+    parser.add_argument("--name", default=None,
+                        help="results folder under benchmarks/results "
+                             "(default: main, sweep or needle)")
     return parser.parse_args(argv)
 
 
@@ -597,7 +607,8 @@ def main(argv=None) -> None:
 
     args.target = resolve_model(args.target)
     args.draft = resolve_model(args.draft)
-    out_dir = args.out or RESULTS_DIR / args.name
+    name = args.name or ("sweep" if args.sweep else "needle" if args.needle else "main")
+    out_dir = args.out or RESULTS_DIR / name
     if args.sweep:
         if args.lengths == parse_args([]).lengths:
             args.lengths = [4096, 8192]

@@ -1,5 +1,7 @@
-"""Query the server started by examples/serve.sh: a completion, a streamed chat."""
+"""Query the server started by examples/serve.sh: a completion, a streamed
+chat, then the retrieval metrics (refreshed every VLLM_LOG_STATS_INTERVAL s)."""
 
+import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
@@ -24,3 +26,8 @@ stream = client.chat.completions.create(
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()
+
+metrics = urllib.request.urlopen("http://127.0.0.1:8000/metrics").read().decode()
+for line in metrics.splitlines():
+    if line.startswith(("vllm:spec_extend_", "vllm:spec_decode_num")) and "_bucket" not in line:
+        print(line)

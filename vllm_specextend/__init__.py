@@ -18,7 +18,14 @@ SUPPORTED_VLLM_VERSION = "0.32"
 
 SKIP_VERSION_CHECK_ENV = "VLLM_SPECEXTEND_SKIP_VERSION_CHECK"
 
-logger = init_logger(__name__)
+
+def plugin_logger(module_name: str):
+    """A logger under vLLM's ``vllm`` namespace, so vLLM's logging
+    configuration (handlers, level, format) applies to our messages too."""
+    return init_logger(f"vllm.plugins.{module_name}")
+
+
+logger = plugin_logger(__name__)
 _registered = False
 
 

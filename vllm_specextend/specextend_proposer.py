@@ -23,13 +23,13 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_specextend import plugin_logger
 from vllm_specextend.config import SpecExtendConfig, spec_extend_options
 from vllm_specextend.retrieval import (
     attention_scores,
@@ -41,7 +41,7 @@ from vllm_specextend.retrieval import (
 from vllm_specextend.stats import RetrievalStats
 from vllm_specextend.target_tap import TargetAttentionTap, install_tap
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 
 @dataclass
