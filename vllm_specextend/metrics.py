@@ -43,10 +43,6 @@ def worker_metrics(worker: Any) -> dict[str, Any] | None:
     return drafter.metrics_snapshot() if isinstance(drafter, SpecExtendProposer) else None
 
 
-def first_snapshot(results: list[Any]) -> dict[str, Any] | None:
-    return next((r for r in results if r is not None), None)
-
-
 class SpecExtendCollector:
     """Publishes the latest pulled snapshot of each model's retrieval figures."""
 
@@ -111,5 +107,7 @@ def collector() -> SpecExtendCollector:
         return _collector
 
 
-def model_name(vllm_config: Any) -> str:
-    return str(vllm_config.model_config.served_model_name)
+def publish(vllm_config: Any, worker_results: list[dict[str, Any] | None]) -> None:
+    """Publish the answer of ``collective_rpc(WORKER_METHOD)`` (rank 0's)."""
+    snapshot = next((r for r in worker_results if r is not None), None)
+    collector().update(str(vllm_config.model_config.served_model_name), snapshot)

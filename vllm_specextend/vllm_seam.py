@@ -187,10 +187,7 @@ def _wrap_llm_engine_get_metrics(module: ModuleType) -> None:
         if spec_extend_config(self.vllm_config) is not None:
             from vllm_specextend import metrics
 
-            results = self.collective_rpc(metrics.WORKER_METHOD)
-            metrics.collector().update(
-                metrics.model_name(self.vllm_config), metrics.first_snapshot(results)
-            )
+            metrics.publish(self.vllm_config, self.collective_rpc(metrics.WORKER_METHOD))
         return original(self)
 
     setattr(get_metrics, _PATCHED_MARK, True)
@@ -208,10 +205,7 @@ def _wrap_async_llm_do_log_stats(module: ModuleType) -> None:
         if spec_extend_config(self.vllm_config) is not None and not self.errored:
             from vllm_specextend import metrics
 
-            results = await self.collective_rpc(metrics.WORKER_METHOD)
-            metrics.collector().update(
-                metrics.model_name(self.vllm_config), metrics.first_snapshot(results)
-            )
+            metrics.publish(self.vllm_config, await self.collective_rpc(metrics.WORKER_METHOD))
         await original(self)
 
     setattr(do_log_stats, _PATCHED_MARK, True)

@@ -1,0 +1,64 @@
+"""Retrieval figures: device-side accounting and their Prometheus rendering
+(no engine; the engine paths are covered in test_engine_* and test_serve)."""
+
+import pytest
+import torch
+
+from vllm_specextend.metrics import SpecExtendCollector
+from vllm_specextend.stats import RetrievalStats
+
+
+def stats_after_two_requests() -> RetrievalStats:
+    stats = RetrievalStats(max_requests=4, device=torch.device("cpu"))
+    # Slot 1: two steps at 1,000 tokens keeping 250, accepting 3 then 2 tokens.
+    # Slot 2: one step at 4,000 tokens keeping 400, first step (nothing verified).
+    stats.record_step(torch.tensor([1, 2]), torch.tensor([1000, 4000]),
+                      removed_tokens=torch.tensor([750, 3600]),
+                      acceptance_lengths=torch.tensor([3, 0]))
+    stats.record_step(torch.tensor([1]), torch.tensor([1001]),
+                      removed_tokens=torch.tensor([751]),
+                      acceptance_lengths=torch.tensor([2]))
+    stats.retrievals = 3
+    return stats
+
+
+def test_per_request_figures_and_histograms():
+    stats = stats_after_two_requests()
+    assert stats.request_figures(1) == pytest.approx(
+        {"kept_fraction": 500 / 2001, "mean_acceptance_length": 2.5, "verifications": 2})
+    assert stats.request_figures(2)["kept_fraction"] == pytest.approx(0.1)
+    stats.finish_request(1)
+    stats.finish_request(2)
+    totals = stats.as_dict()
+    assert totals["context_tokens"] == 6001 and totals["kept_tokens"] == 900
+    assert totals["mean_acceptance_length"] == pytest.approx(2.5)
+    assert totals["finished_requests"] == 2
+    kept = stats.request_kept_fraction.as_dict()
+    # 0.1 falls in the le=0.1 bucket, 0.2499 in le=0.25; both counted once.
+    assert kept["cumulative_counts"][:5] == [0, 1, 1, 1, 2]
+    assert kept["count"] == 2 and kept["sum"] == pytest.approx(0.1 + 500 / 2001)
+    # Slot 2 never verified a draft: no acceptance observation for it.
+    assert stats.request_acceptance_length.as_dict()["count"] == 1
+    # Freed slots start from zero for the next request.
+    assert stats.request_figures(1)["verifications"] == 0
+
+
+def test_collector_renders_counters_gauges_and_histograms():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    stats = stats_after_two_requests()
+    stats.finish_request(1)
+    snapshot = {**stats.as_dict(), "tracked_requests": 1,
+                "request_kept_fraction": stats.request_kept_fraction.as_dict(),
+                "request_acceptance_length": stats.request_acceptance_length.as_dict()}
+    registry = CollectorRegistry()
+    collector = SpecExtendCollector()
+    registry.register(collector)
+    assert generate_latest(registry) == b""  # nothing before the first pull
+    collector.update("tiny", snapshot)
+    text = generate_latest(registry).decode()
+    assert 'vllm:spec_extend_retrievals_total{model_name="tiny"} 3.0' in text
+    assert 'vllm:spec_extend_kept_tokens_total{model_name="tiny"} 900.0' in text
+    assert 'vllm:spec_extend_tracked_requests{model_name="tiny"} 1.0' in text
+    assert 'vllm:spec_extend_request_kept_fraction_bucket{le="0.25",model_name="tiny"} 1.0' in text
+    assert 'vllm:spec_extend_request_kept_fraction_count{model_name="tiny"} 1.0' in text
