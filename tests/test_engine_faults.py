@@ -55,6 +55,15 @@ def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model):
 def test_aborts_max_model_len_and_many_requests(target_model, draft_model):
     long_prompts = corpus_prompts(target_model, [1500, 1800, 2100])
     near_limit = corpus_prompts(target_model, [4060], offset=30_000)[0]
+    many = [tokens(long_prompts[i % 3][: 600 + i % 7]) for i in range(1000)]
+    distinct = {tuple(p["prompt_token_ids"]): None for p in many}
+    with engine(target_model, max_model_len=4096) as alone:
+        reference = [list(o.outputs[0].token_ids) for o in alone.generate(
+            [tokens(long_prompts[1]), tokens(near_limit)] + [tokens(list(p)) for p in distinct],
+            [greedy(200), greedy(100)] + [greedy(4)] * len(distinct), use_tqdm=False)]
+    survivor_ref, near_limit_ref = reference[:2]
+    distinct = dict(zip(distinct, reference[2:]))
+
     with engine(target_model, draft_model, spec_extend=SMALL_CACHE,
                 max_model_len=4096, enable_prefix_caching=True) as llm:
         engine_core = llm.llm_engine
@@ -71,15 +80,16 @@ def test_aborts_max_model_len_and_many_requests(target_model, draft_model):
                 if output.finished:
                     finished[output.request_id] = output
         assert list(finished) == ["abort-1"]
-        assert len(finished["abort-1"].outputs[0].token_ids) == 200
+        assert list(finished["abort-1"].outputs[0].token_ids) == survivor_ref
 
         # A request that runs into max_model_len stops there.
         out = llm.generate([tokens(near_limit)], greedy(100), use_tqdm=False)[0]
         assert len(near_limit) + len(out.outputs[0].token_ids) == 4096
         assert out.outputs[0].finish_reason == "length"
+        assert list(out.outputs[0].token_ids) == near_limit_ref
 
         # 1,000 requests, long enough for retrieval, through one engine.
-        many = [tokens(long_prompts[i % 3][: 600 + i % 7]) for i in range(1000)]
         outputs = llm.generate(many, greedy(4), use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+        assert all(list(o.outputs[0].token_ids) == distinct[tuple(o.prompt_token_ids)]
+                   for o in outputs)
         assert settle_and_count(llm) == 0

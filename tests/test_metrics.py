@@ -62,3 +62,32 @@ def test_collector_renders_counters_gauges_and_histograms():
     assert 'vllm:spec_extend_tracked_requests{model_name="tiny"} 1.0' in text
     assert 'vllm:spec_extend_request_kept_fraction_bucket{le="0.25",model_name="tiny"} 1.0' in text
     assert 'vllm:spec_extend_request_kept_fraction_count{model_name="tiny"} 1.0' in text
+
+
+def test_figures_start_afresh_with_each_engine():
+    """A new engine's Prometheus logger runs vLLM's unregister_vllm_metrics();
+    the figures of an earlier engine in the process must not outlive it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    from vllm_specextend import metrics
+
+    def published_retrievals() -> list[float]:
+        return [m.value for m in get_metrics_snapshot()
+                if m.name == "vllm:spec_extend_retrievals"]
+
+    unregister_vllm_metrics()  # earlier tests' engines may have published
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="tiny"))
+    stats = stats_after_two_requests()
+    snapshot = {**stats.as_dict(), "tracked_requests": 0,
+                "request_kept_fraction": stats.request_kept_fraction.as_dict(),
+                "request_acceptance_length": stats.request_acceptance_length.as_dict()}
+    metrics.publish(config, [snapshot])
+    assert published_retrievals() == [3]
+    unregister_vllm_metrics()  # what the next engine's stat logger does
+    assert published_retrievals() == []
+    metrics.publish(config, [{**snapshot, "retrievals": 1}])
+    assert published_retrievals() == [1]
+    unregister_vllm_metrics()

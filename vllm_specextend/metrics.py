@@ -6,7 +6,9 @@ select alike) when ``LLM.get_metrics()`` is called, and in a server each time
 vLLM logs its stats (every ``VLLM_LOG_STATS_INTERVAL`` seconds, default 10).
 A collector in the default Prometheus registry publishes the latest pull,
 labelled by ``model_name`` like vLLM's own metrics. Nothing is registered for
-an engine without ``spec_extend``.
+an engine without ``spec_extend``. Like vLLM's own metrics, the figures start
+afresh with every engine built in the process: vLLM's ``unregister_vllm_metrics()``
+drops every collector whose ``_name`` starts with ``vllm:``, ours included.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def worker_metrics(worker: Any) -> dict[str, Any] | None:
 
 class SpecExtendCollector:
     """Publishes the latest pulled snapshot of each model's retrieval figures."""
+
+    # vLLM's unregister_vllm_metrics() drops collectors by this attribute.
+    _name = "vllm:spec_extend"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -96,12 +101,14 @@ _collector_lock = threading.Lock()
 
 
 def collector() -> SpecExtendCollector:
-    """The process's collector, registered with Prometheus on first use."""
+    """The process's collector, registered with Prometheus on first use and
+    replaced by an empty one once vLLM has unregistered it (a new engine)."""
     global _collector
-    with _collector_lock:
-        if _collector is None:
-            from prometheus_client import REGISTRY
+    from prometheus_client import REGISTRY
 
+    with _collector_lock:
+        # vLLM reads the same private map in unregister_vllm_metrics().
+        if _collector is None or _collector not in REGISTRY._collector_to_names:
             _collector = SpecExtendCollector()
             REGISTRY.register(_collector)
         return _collector
