@@ -320,6 +320,26 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def fast_dtype() -> str:
+    """bfloat16 where its matmuls are fast, else float32.
+
+    vLLM's CPU linear layers use oneDNN, which has no bf16 matmul on CPUs
+    without AVX-512 (BF16) or AMX; there vLLM falls back to a torch bf16
+    matmul about 7x slower than oneDNN float32 (measured on a 2-core AVX2 EPYC).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    from vllm import _custom_ops as ops
+
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16), 32)
+    except (AttributeError, RuntimeError):
+        return "float32"
+    return "bfloat16"
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     import vllm
@@ -328,6 +348,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
@@ -596,7 +617,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=["target", "draft_model", "cmr", "streaming"])
     parser.add_argument("--spec-extend", default=None,
                         help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="model dtype; auto: bfloat16 where this CPU has fast bf16 "
+                             "matmuls (AVX-512 BF16/AMX, or a GPU), else float32")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--kv-cache-gib", type=int, default=3)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
@@ -623,10 +646,17 @@ def main(argv=None) -> None:
 
     args.target = resolve_model(args.target)
     args.draft = resolve_model(args.draft)
+    if args.dtype == "auto":
+        args.dtype = fast_dtype()
+    # Slow CPUs can spend minutes on one long prefill step; vLLM's default
+    # step timeout (300 s) would kill the engine.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     name = args.name or ("sweep" if args.sweep else "needle" if args.needle else "main")
     out_dir = args.out or RESULTS_DIR / name
-    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}, "
-             f"K={args.k}, {args.max_tokens} greedy tokens, {machine_info()['cpu_count']} CPU cores")
+    machine = machine_info()
+    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}, {args.dtype}, "
+             f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
+             f"({machine['cpu_capability']})")
     if args.sweep:
         if args.lengths == parse_args([]).lengths:
             args.lengths = [4096, 8192]

@@ -33,7 +33,7 @@ def main() -> None:
         model=resolve_model(args.target),
         speculative_config={"method": "draft_model", "model": resolve_model(args.draft),
                             "num_speculative_tokens": 4},
-        additional_config={"spec_extend": {"mode": "cmr", "top_k_chunks": 4}},
+        additional_config={"spec_extend": {"mode": "cmr"}},
         max_model_len=16384,
         enforce_eager=True,
         gpu_memory_utilization=0.5,

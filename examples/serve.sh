@@ -14,4 +14,4 @@ exec "$PY" -m vllm.entrypoints.openai.api_server --model "$TARGET" --served-mode
   --host 127.0.0.1 --port 8000 --max-model-len 16384 --enforce-eager \
   --gpu-memory-utilization 0.5 --kv-cache-memory-bytes 2147483648 \
   --speculative-config "{\"method\":\"draft_model\",\"model\":\"$DRAFT\",\"num_speculative_tokens\":4}" \
-  --additional-config '{"spec_extend":{"mode":"cmr","top_k_chunks":4}}'
+  --additional-config '{"spec_extend":{"mode":"cmr"}}'

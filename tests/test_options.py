@@ -27,6 +27,15 @@ def test_defaults_are_valid_and_chunk_size_follows_block_size():
     assert SpecExtendConfig(chunk_size=256).resolved_chunk_size(128) == 256
 
 
+def test_default_top_k_retrieves_a_fixed_token_budget():
+    config = SpecExtendConfig()
+    assert config.resolved_top_k_chunks(128) == 4  # vLLM's CPU block size
+    assert config.resolved_top_k_chunks(32) == 16  # 16-token GPU blocks
+    assert config.resolved_top_k_chunks(1024) == 1  # never zero by default
+    assert SpecExtendConfig(top_k_chunks=0).resolved_top_k_chunks(32) == 0
+    assert SpecExtendConfig(top_k_chunks=7).resolved_top_k_chunks(128) == 7
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

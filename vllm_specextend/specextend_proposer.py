@@ -121,6 +121,13 @@ class SpecExtendProposer(DraftModelProposer):
                 "(hybrid or sliding-window attention). Use a full-attention target."
             )
         self.chunk_size = self.spec_extend_config.resolved_chunk_size(self.block_size)
+        logger.info(
+            "SpecExtend: %d-token chunks, top %d chunks + %d sink + %d recent tokens",
+            self.chunk_size,
+            self.spec_extend_config.resolved_top_k_chunks(self.chunk_size),
+            self.spec_extend_config.sink_tokens,
+            self.spec_extend_config.recent_tokens,
+        )
         layer = self._target_layer
         self.tap = TargetAttentionTap(
             num_slots=kv_cache_config.num_blocks * self.block_size,
@@ -277,7 +284,7 @@ class SpecExtendProposer(DraftModelProposer):
             keep = select_blocks(
                 scores,
                 recent_start_block,
-                top_k_chunks=config.top_k_chunks,
+                top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
                 sink_blocks=-(-config.sink_tokens // self.block_size),
                 blocks_per_chunk=self.chunk_size // self.block_size,
                 num_blocks=num_blocks,
