@@ -47,6 +47,7 @@ def test_default_top_k_retrieves_a_fixed_token_budget():
         ({"sink_tokens": -1}, r"'sink_tokens'=-1 is out of range"),
         ({"chunk_size": 0}, r"'chunk_size'=0 is out of range"),
         ({"score_aggregation": "max"}, r"'score_aggregation'='max' is invalid; allowed values: \['last_token', 'accepted_tokens'\]"),
+        ({"draft_positions": "shifted"}, r"'draft_positions'='shifted' is invalid; allowed values: \['auto', 'original', 'compact'\]"),
         ([1, 2], r"must be a JSON object of options, got list"),
     ],
 )
@@ -122,3 +123,56 @@ def test_sliding_window_draft_is_refused_with_reason(target_model, draft_model, 
     sliding = sliding_window_copy(draft_model, tmp_path)
     with pytest.raises(SpecExtendConfigError, match=r"the draft model .* uses sliding-window"):
         engine_config(target_model, sliding, spec_extend={})
+
+
+def capped_draft(max_model_len):
+    """speculative_config kwargs capping the draft's window (the user's way)."""
+    return lambda draft: {"method": "draft_model", "model": str(draft),
+                          "num_speculative_tokens": 3, "max_model_len": max_model_len}
+
+
+def test_auto_draft_positions_resolve_by_the_draft_window(target_model, draft_model):
+    from vllm_specextend.vllm_seam import uses_compact_positions
+
+    uncapped = engine_config(target_model, draft_model, spec_extend={})
+    capped = engine_config(target_model, spec_extend={},
+                           speculative_config=capped_draft(1024)(draft_model))
+    assert not uses_compact_positions(uncapped, SpecExtendConfig())
+    assert uses_compact_positions(capped, SpecExtendConfig())
+
+
+def test_window_too_small_for_the_working_cache_fails_naming_the_numbers(target_model, draft_model):
+    # sink 32 + 16 chunks of 32 + recent 256 (+31) + 4 x (3 + 1) + 3 = 850 > 512.
+    with pytest.raises(
+        SpecExtendConfigError,
+        match=r"working cache needs up to 850 draft positions, more than the draft's window "
+              r"of 512: sink_tokens=32 \+ top_k_chunks=16 x chunk_size=32 \+ recent_tokens=256 "
+              r".*Lower top_k_chunks, recent_tokens",
+    ):
+        engine_config(target_model, spec_extend={}, speculative_config=capped_draft(512)(draft_model))
+    # The same window is fine with a smaller working cache.
+    engine_config(target_model, spec_extend={"top_k_chunks": 2, "recent_tokens": 128},
+                  speculative_config=capped_draft(512)(draft_model))
+
+
+def test_original_positions_with_a_short_window_fail(target_model, draft_model):
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"'draft_positions'='original' cannot draft requests longer than "
+                             r"the draft's window \(1024 positions; the target's max_model_len is 2048\)"):
+        engine_config(target_model, spec_extend={"draft_positions": "original"},
+                      speculative_config=capped_draft(1024)(draft_model))
+
+
+def test_compact_positions_cap_prompt_chunks_or_refuse_a_larger_user_budget(target_model, draft_model):
+    config = engine_config(target_model, spec_extend={},
+                           speculative_config=capped_draft(1024)(draft_model))
+    assert config.scheduler_config.max_num_batched_tokens == 512  # half the window
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"max_num_batched_tokens=2048 lets vLLM schedule prompt chunks longer "
+                             r"than the draft can prefill inside its window of 1024 positions "
+                             r"\(at most 957 tokens"):
+        engine_config(target_model, spec_extend={}, max_num_batched_tokens=2048,
+                      speculative_config=capped_draft(1024)(draft_model))
+    # Stock engines keep vLLM's budget.
+    stock = engine_config(target_model, speculative_config=capped_draft(1024)(draft_model))
+    assert stock.scheduler_config.max_num_batched_tokens > 512

@@ -204,6 +204,45 @@ def build_noisy_copy(spec: TinyModelSpec, noise: float, seed: int = 0) -> Path:
     return _atomic_build(target, build)
 
 
+def build_damped_attention_copy(spec: TinyModelSpec, scale: float) -> Path:
+    """``spec``'s model with its attention output projections scaled by
+    ``scale``: the next token then depends mostly on the recent tokens, so a
+    draft that sees part of a long context still predicts it often (random
+    full-strength attention spreads over the whole context)."""
+    source = build_model(spec)
+    target = cache_root() / f"damped-{_key({**asdict(spec), 'attention_scale': scale})}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("self_attn.o_proj.weight"):
+                    param.mul_(scale)
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+def build_short_window_copy(source: Path, window: int) -> Path:
+    """The model at ``source`` with its weights unchanged but only ``window``
+    positions (its rotary table ends there), like a draft trained on short
+    texts."""
+    target = cache_root() / f"window{window}-{_key({'source': str(source), 'window': window})}"
+
+    def build(out: Path) -> None:
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config["max_position_embeddings"] = window
+        config_path.write_text(json.dumps(config, indent=2))
+
+    return _atomic_build(target, build)
+
+
 if __name__ == "__main__":
     for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
         print(build_model(s))

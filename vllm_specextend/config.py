@@ -16,6 +16,7 @@ ADDITIONAL_CONFIG_KEY = "spec_extend"
 
 RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
+DraftPositions = Literal["auto", "original", "compact"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
 # pair at 4K: 512 tokens keep acceptance within 0-5% of the full cache while
@@ -70,9 +71,18 @@ class SpecExtendConfig:
     at the retrieval step (the paper). ``accepted_tokens``: mean over the rows
     of all tokens accepted since the previous retrieval."""
 
+    draft_positions: DraftPositions = "auto"
+    """``original``: the draft runs every token at its position in the context,
+    so it can only draft for requests that fit its window. ``compact``: a
+    request longer than the draft's window drafts from its working cache laid
+    out at positions ``0..W-1`` (SpecExtend); shorter ones draft as in stock
+    vLLM. ``auto``: ``compact`` when the draft's window (its ``max_model_len``)
+    is shorter than the target's, else ``original``."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, RetrievalMode)
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
+        _check_choice("draft_positions", self.draft_positions, DraftPositions)
         if self.chunk_size is not None:
             _check_int("chunk_size", self.chunk_size, minimum=1)
         if self.top_k_chunks is not None:
@@ -118,6 +128,67 @@ class SpecExtendConfig:
         if self.top_k_chunks is None:
             return max(1, DEFAULT_RETRIEVED_TOKENS // chunk_size)
         return self.top_k_chunks
+
+
+    def uses_compact_positions(self, draft_window: int, target_max_model_len: int) -> bool:
+        """Whether drafting runs at compact positions, ``auto`` resolved.
+
+        Raises:
+            SpecExtendConfigError: ``original`` with a window shorter than the target's.
+        """
+        if self.draft_positions == "auto":
+            return draft_window < target_max_model_len
+        if self.draft_positions == "original" and draft_window < target_max_model_len:
+            raise SpecExtendConfigError(
+                f"spec_extend option 'draft_positions'='original' cannot draft "
+                f"requests longer than the draft's window ({draft_window} positions; "
+                f"the target's max_model_len is {target_max_model_len}): vLLM would "
+                "switch drafting off for the whole batch. Use 'compact' or 'auto', "
+                "or a draft window as long as the target's."
+            )
+        return self.draft_positions == "compact"
+
+    def working_cache_tokens(self, block_size: int, num_speculative_tokens: int) -> int:
+        """Most positions a compacted request drafts at, between two retrievals:
+        sink + retrieved chunks + recent window (rounded to blocks) + the queries
+        of ``retrieval_interval`` steps + the draft lookahead."""
+        chunk_size = self.resolved_chunk_size(block_size)
+        sink = block_size * math.ceil(self.sink_tokens / block_size)
+        return (
+            sink
+            + self.resolved_top_k_chunks(chunk_size) * chunk_size
+            + self.recent_tokens + block_size - 1
+            + self.retrieval_interval * (num_speculative_tokens + 1)
+            + num_speculative_tokens
+        )
+
+    def check_working_cache_fits(
+        self, draft_window: int, block_size: int, num_speculative_tokens: int
+    ) -> None:
+        """Raise unless a compacted request always fits the draft's window."""
+        needed = self.working_cache_tokens(block_size, num_speculative_tokens)
+        if needed > draft_window:
+            chunk_size = self.resolved_chunk_size(block_size)
+            raise SpecExtendConfigError(
+                f"spec_extend's working cache needs up to {needed} draft positions, "
+                f"more than the draft's window of {draft_window}: sink_tokens="
+                f"{self.sink_tokens} + top_k_chunks={self.resolved_top_k_chunks(chunk_size)}"
+                f" x chunk_size={chunk_size} + recent_tokens={self.recent_tokens} "
+                f"(+ {block_size - 1} block rounding) + retrieval_interval="
+                f"{self.retrieval_interval} x (num_speculative_tokens="
+                f"{num_speculative_tokens} + 1) + {num_speculative_tokens} lookahead. "
+                "Lower top_k_chunks, recent_tokens, sink_tokens or "
+                "retrieval_interval, or raise the draft's max_model_len."
+            )
+
+    def prefill_chunk_limit(
+        self, draft_window: int, block_size: int, num_speculative_tokens: int
+    ) -> int:
+        """Largest prompt chunk the draft can prefill at compact positions: the
+        chunk, its lookahead, the sink and the partly filled block before it must
+        fit the window (the rest of the window holds the most recent tokens)."""
+        sink = block_size * math.ceil(self.sink_tokens / block_size)
+        return draft_window - num_speculative_tokens - 1 - sink - (block_size - 1)
 
 
 def _check_choice(name: str, value: Any, choices: Any) -> None:

@@ -5,9 +5,12 @@ The diff against vLLM's ``DraftModelProposer``:
 - ``initialize_attn_backend`` sizes the tap's key buffer to the KV cache;
 - ``propose`` plans, per request, which KV blocks the draft keeps;
 - ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
-  compacted block table and shortened ``seq_lens``.
-Slot mappings, KV writes, positions and the target's verification are stock,
-so outputs are exactly the target's.
+  compacted block table and shortened ``seq_lens``;
+- with compact draft positions, ``_get_positions`` runs each compacted row at
+  its position in the working cache (original position - removed tokens), and
+  ``propose`` first re-positions the kept keys of rows whose selection changed.
+Slot mappings, KV writes and the target's verification are stock, so outputs
+are exactly the target's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_specextend import plugin_logger
 from vllm_specextend.config import SpecExtendConfig, spec_extend_options
+from vllm_specextend.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
+from vllm_specextend.repositioning import (
+    RotaryLayout,
+    streaming_recent_start_block,
+    token_rows,
+    working_cache_slots,
+)
 from vllm_specextend.retrieval import (
     attention_scores,
     chunk_scores,
@@ -40,6 +50,7 @@ from vllm_specextend.retrieval import (
 )
 from vllm_specextend.stats import RetrievalStats
 from vllm_specextend.target_tap import TargetAttentionTap, install_tap
+from vllm_specextend.vllm_seam import draft_window, uses_compact_positions
 
 logger = plugin_logger(__name__)
 
@@ -77,6 +88,16 @@ class SpecExtendProposer(DraftModelProposer):
         self._selected_blocks: torch.Tensor | None = None
         self._score_sums: torch.Tensor | None = None
         self.chunk_size = -1
+        self.draft_window = draft_window(vllm_config)
+        self.compact_positions = uses_compact_positions(
+            vllm_config, self.spec_extend_config
+        )
+        self.kv_copy: DraftKVCopy | None = None
+        self._draft_layers: dict[str, Attention] = {}
+        # Per flat draft token: compact position = original - shift.
+        self._position_shift = torch.zeros(
+            self.max_num_tokens, dtype=torch.int64, device=device
+        )
 
     # ---- set-up -----------------------------------------------------------
 
@@ -94,11 +115,20 @@ class SpecExtendProposer(DraftModelProposer):
             raise ValueError("SpecExtend found no attention layer in the target model")
         self.target_layer_name = max(target_layers, key=extract_layer_index)
         self._target_layer = target_layers[self.target_layer_name]
+        self._draft_layers = {
+            name: layer
+            for name, layer in get_layers_from_vllm_config(
+                self.vllm_config, Attention
+            ).items()
+            if name in self._draft_attn_layer_names
+        }
         logger.info(
             "SpecExtend: scoring with the target's last attention layer %s "
-            "(mode=%s)",
+            "(mode=%s, draft positions %s, draft window %d)",
             self.target_layer_name,
             self.spec_extend_config.mode,
+            "compact" if self.compact_positions else "original",
+            self.draft_window,
         )
 
     @override
@@ -140,7 +170,57 @@ class SpecExtendProposer(DraftModelProposer):
             device=self.device,
         )
         install_tap(layer, self.tap)
+        if self.compact_positions:
+            self._install_draft_kv_copy(kv_cache_config.num_blocks * self.block_size)
         self._allocate_selection_state()
+
+    def _install_draft_kv_copy(self, num_slots: int) -> None:
+        layer = next(iter(self._draft_layers.values()))
+        self.kv_copy = DraftKVCopy(
+            layer_names=sorted(self._draft_layers),
+            num_slots=num_slots,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size,
+            rotary=self._draft_rotary_layout(),
+            max_num_tokens=self.max_num_tokens,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        install_draft_kv_copy(self._draft_layers, self.kv_copy)
+        bytes_per_token = DraftKVCopy.bytes_per_token(
+            len(self._draft_layers), layer.num_kv_heads, layer.head_size, self.dtype
+        )
+        logger.info(
+            "SpecExtend: compact draft positions (window %d); plain draft KV copy "
+            "of %d bytes per token, %.2f GiB for %d KV slots",
+            self.draft_window, bytes_per_token, bytes_per_token * num_slots / 2**30,
+            num_slots,
+        )
+
+    def _draft_rotary_layout(self) -> RotaryLayout:
+        """The draft's rotary embedding: one layout shared by all its layers."""
+        from vllm.model_executor.layers.rotary_embedding.base import (
+            RotaryEmbeddingBase,
+        )
+
+        layouts = [
+            RotaryLayout.of_module(module)
+            for module in self.model.modules()
+            if isinstance(module, RotaryEmbeddingBase)
+        ]
+        first = layouts[0] if layouts else None
+        if first is None or any(
+            (layout.rotary_dim, layout.is_neox_style) != (first.rotary_dim, first.is_neox_style)
+            or not torch.equal(layout.inv_freq, first.inv_freq)
+            for layout in layouts
+        ):
+            raise ValueError(
+                "SpecExtend's compact draft positions re-rotate the draft's keys and "
+                "need one rotary embedding shared by all draft layers; this draft has "
+                f"{len(layouts)} differing or none. Set draft_positions='original' "
+                "with a draft window as long as the target's."
+            )
+        return first
 
     def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -181,6 +261,19 @@ class SpecExtendProposer(DraftModelProposer):
             return super().propose(num_speculative_tokens, **kwargs)
         finally:
             self._draft_view = None
+            self._position_shift.zero_()
+
+    @override
+    def _get_positions(self, num_tokens: int) -> torch.Tensor:
+        positions = super()._get_positions(num_tokens)
+        if self.kv_copy is None:
+            return positions
+        # The positions the draft runs at, read by the KV copy's tap too.
+        # Real tokens stay inside the window by construction; the clamp keeps
+        # padding tokens inside the draft's rotary table.
+        out = self.kv_copy.token_positions[:num_tokens]
+        torch.sub(positions, self._position_shift[:num_tokens], out=out)
+        return out.clamp_(0, self.draft_window - 1)
 
     @override
     def build_per_group_and_layer_attn_metadata(
@@ -190,6 +283,8 @@ class SpecExtendProposer(DraftModelProposer):
         if view is not None:
             # A copy: later draft steps advance the caller's seq_lens in place,
             # and slot mappings keep using the original block table.
+            if self.kv_copy is not None:
+                self._shift_positions(common_attn_metadata, view.removed_tokens, draft_index)
             common_attn_metadata = common_attn_metadata.replace(
                 block_table_tensor=view.block_table,
                 seq_lens=common_attn_metadata.seq_lens - view.removed_tokens,
@@ -198,6 +293,20 @@ class SpecExtendProposer(DraftModelProposer):
         return super().build_per_group_and_layer_attn_metadata(
             common_attn_metadata, draft_index
         )
+
+    def _shift_positions(
+        self, cad: CommonAttentionMetadata, removed_tokens: torch.Tensor, draft_index: int
+    ) -> None:
+        """Each draft token runs at its original position minus its row's removed tokens."""
+        shift = self._position_shift
+        if draft_index == 0:
+            num_tokens = cad.num_actual_tokens
+            rows = token_rows(cad.query_start_loc, num_tokens)
+            per_row = torch.cat((removed_tokens.long(), removed_tokens.new_zeros(1).long()))
+            shift.zero_()
+            shift[:num_tokens] = per_row[rows]
+        else:
+            shift[: removed_tokens.shape[0]] = removed_tokens
 
     # ---- retrieval --------------------------------------------------------
 
@@ -220,17 +329,25 @@ class SpecExtendProposer(DraftModelProposer):
             if cad.seq_lens_cpu_upper_bound is not None
             else cad.seq_lens.cpu()
         )[:num_reqs]
-        # Prefill rows are never compacted: the draft writes their KV once, and
+        # Prefill rows are not retrieved for: the draft writes their KV once, and
         # would keep KV computed from partial context for good.
         is_decode = query_lens_cpu <= num_speculative_tokens + 1
         eligible = is_decode & (seq_lens_cpu >= max(config.min_context_tokens, 1))
+        # Rows whose draft positions would leave the draft's window.
+        beyond_window = seq_lens_cpu + num_speculative_tokens > self.draft_window
+        if self.kv_copy is not None:
+            eligible |= is_decode & beyond_window
 
         rows: list[int] = []
         due_rows: list[int] = []
+        # Long prompts, prefilled by the draft over sink + most recent blocks.
+        windowed_prefill_rows: list[int] = []
         for row, req_id in enumerate(req_ids):
             if not eligible[row]:
                 if not is_decode[row]:
                     self._forget(req_id)
+                    if self.kv_copy is not None and beyond_window[row]:
+                        windowed_prefill_rows.append(row)
                 continue
             state = self._requests.get(req_id) or self._track(req_id)
             state.steps_since_retrieval += 1
@@ -240,7 +357,7 @@ class SpecExtendProposer(DraftModelProposer):
                 or state.steps_since_retrieval >= config.retrieval_interval
             ):
                 due_rows.append(row)
-        if not rows:
+        if not rows and not windowed_prefill_rows:
             return None
 
         device = self.device
@@ -249,6 +366,7 @@ class SpecExtendProposer(DraftModelProposer):
         )
         block_table = cad.block_table_tensor
         query_lens = (cad.query_start_loc[1:] - cad.query_start_loc[:-1])[:num_reqs]
+        first_query_pos = cad.seq_lens[:num_reqs] - query_lens
         if token_indices_to_sample is None:
             token_indices_to_sample = cad.query_start_loc[1 : num_reqs + 1] - 1
 
@@ -267,12 +385,14 @@ class SpecExtendProposer(DraftModelProposer):
 
         assert self._selected_blocks is not None and self._score_sums is not None
         num_blocks = min(block_table.shape[1], self._selected_blocks.shape[1])
+        sink_blocks = -(-config.sink_tokens // self.block_size)
+        blocks_per_chunk = self.chunk_size // self.block_size
         if due_rows:
             due = torch.tensor(due_rows, device=device)
             due_slots = slots_of(due_rows)
-            first_query_pos = cad.seq_lens[due] - query_lens[due]
             recent_start_block = (
-                (first_query_pos - config.recent_tokens).clamp(min=0) // self.block_size
+                (first_query_pos[due] - config.recent_tokens).clamp(min=0)
+                // self.block_size
             )
             if config.mode == "cmr":
                 scores = self._score_sums[due_slots]
@@ -285,8 +405,8 @@ class SpecExtendProposer(DraftModelProposer):
                 scores,
                 recent_start_block,
                 top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
-                sink_blocks=-(-config.sink_tokens // self.block_size),
-                blocks_per_chunk=self.chunk_size // self.block_size,
+                sink_blocks=sink_blocks,
+                blocks_per_chunk=blocks_per_chunk,
                 num_blocks=num_blocks,
             )
             self._selected_blocks[due_slots, :num_blocks] = keep
@@ -301,20 +421,56 @@ class SpecExtendProposer(DraftModelProposer):
 
         batch = cad.seq_lens.shape[0]
         keep_all = torch.ones(batch, block_table.shape[1], dtype=torch.bool, device=device)
-        rows_t = torch.tensor(rows, device=device)
-        keep_all[rows_t, :num_blocks] = self._selected_blocks[slots_of(rows), :num_blocks]
+        if rows:
+            rows_t = torch.tensor(rows, device=device)
+            keep_all[rows_t, :num_blocks] = self._selected_blocks[slots_of(rows), :num_blocks]
+        if windowed_prefill_rows:
+            prefill = torch.tensor(windowed_prefill_rows, device=device)
+            recent_start_block = streaming_recent_start_block(
+                first_query_pos[prefill], query_lens[prefill], num_speculative_tokens,
+                sink_blocks, self.draft_window, self.block_size,
+            )
+            keep_all[prefill, :num_blocks] = select_blocks(
+                self._score_sums.new_empty(len(windowed_prefill_rows), 0),
+                recent_start_block,
+                top_k_chunks=0,
+                sink_blocks=sink_blocks,
+                blocks_per_chunk=blocks_per_chunk,
+                num_blocks=num_blocks,
+            )
         compact, removed = rewrite_block_table(
             block_table[:batch], keep_all, self.block_size
         )
-        # Tokens gained at the verification just done: accepted drafts + 1.
-        accepted = token_indices_to_sample[rows_t] - cad.query_start_loc[rows_t] + 1
-        self.stats.record_step(
-            slots_of(rows),
-            context_tokens=cad.seq_lens[rows_t],
-            removed_tokens=removed[rows_t],
-            acceptance_lengths=torch.where(query_lens[rows_t] > 1, accepted, 0),
-        )
+        if self.kv_copy is not None and (due_rows or windowed_prefill_rows):
+            # Their kept context moved: lay it out at positions 0, 1, ...
+            self._reposition_working_caches(
+                torch.tensor(due_rows + windowed_prefill_rows, device=device),
+                compact, first_query_pos - removed[:num_reqs],
+            )
+        if rows:
+            # Tokens gained at the verification just done: accepted drafts + 1.
+            accepted = token_indices_to_sample[rows_t] - cad.query_start_loc[rows_t] + 1
+            self.stats.record_step(
+                slots_of(rows),
+                context_tokens=cad.seq_lens[rows_t],
+                removed_tokens=removed[rows_t],
+                acceptance_lengths=torch.where(query_lens[rows_t] > 1, accepted, 0),
+            )
         return _DraftView(block_table=compact, removed_tokens=removed)
+
+    def _reposition_working_caches(
+        self, rows: torch.Tensor, compact_table: torch.Tensor, context_lens: torch.Tensor
+    ) -> None:
+        """Rewrite the kept context keys of ``rows`` at their compact positions."""
+        assert self.kv_copy is not None
+        window = self.draft_window
+        slots, valid = working_cache_slots(
+            compact_table[rows], context_lens[rows], window, self.block_size
+        )
+        positions = torch.arange(window, device=self.device).repeat(rows.shape[0])
+        self.kv_copy.write_working_cache(
+            self._draft_layers, slots.flatten(), valid.flatten(), positions
+        )
 
     def _accumulate_scores(
         self,

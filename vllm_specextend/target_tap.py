@@ -9,9 +9,11 @@ packs keys per ISA).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-_TAPPED_CLASSES: dict[type, type] = {}
+_SWAPPED_CLASSES: dict[tuple[str, type], type] = {}
 
 
 class TargetAttentionTap:
@@ -57,30 +59,41 @@ class TargetAttentionTap:
 
 
 def install_tap(layer: torch.nn.Module, tap: TargetAttentionTap) -> None:
-    """Make ``layer.impl`` feed ``tap`` on every forward.
+    """Make ``layer.impl`` feed ``tap`` on every forward."""
+    _require_separate_kv_update(layer)
+    swap_impl_class(layer, "SpecExtendTapped", _make_tapped_class)
+    layer.impl._specextend_tap = tap
+
+
+def swap_impl_class(
+    layer: torch.nn.Module, prefix: str, make_class: Callable[[type], type]
+) -> None:
+    """Give ``layer.impl`` the subclass ``make_class(type(impl))``, made once
+    per base class and prefix.
 
     A direct subclass of the impl's class is assigned to ``impl.__class__``
     (a class with a mixin base fails with "object layout differs").
     """
-    impl = layer.impl
-    base = type(impl)
+    base = type(layer.impl)
+    if base.__name__.startswith(prefix):
+        return
+    swapped = _SWAPPED_CLASSES.get((prefix, base))
+    if swapped is None:
+        swapped = make_class(base)
+        swapped.__name__ = f"{prefix}{base.__name__}"
+        _SWAPPED_CLASSES[(prefix, base)] = swapped
+    layer.impl.__class__ = swapped
+
+
+def _require_separate_kv_update(layer: torch.nn.Module) -> None:
     backend = layer.get_attn_backend()
     if backend.forward_includes_kv_cache_update:
         raise ValueError(
-            f"SpecExtend cannot tap the target's attention backend "
-            f"{backend.get_name()}: it writes the KV cache inside its forward, so the "
-            "keys never pass through do_kv_cache_update. Supported backends: "
-            "those with a separate KV cache update (CPU_ATTN, FLASH_ATTN, "
-            "TRITON_ATTN, FLEX_ATTENTION)."
+            f"SpecExtend cannot tap the attention backend {backend.get_name()}: "
+            "it writes the KV cache inside its forward, so the keys never pass "
+            "through do_kv_cache_update. Supported backends: those with a separate "
+            "KV cache update (CPU_ATTN, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION)."
         )
-    tapped = _TAPPED_CLASSES.get(base)
-    if tapped is None and getattr(base, "_specextend_tapped", False):
-        tapped = base
-    if tapped is None:
-        tapped = _make_tapped_class(base)
-        _TAPPED_CLASSES[base] = tapped
-    impl.__class__ = tapped
-    impl._specextend_tap = tap
 
 
 def _make_tapped_class(base: type) -> type:
@@ -96,12 +109,11 @@ def _make_tapped_class(base: type) -> type:
         return base.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
 
     return type(
-        f"SpecExtendTapped{base.__name__}",
+        base.__name__,
         (base,),
         {
             "forward": forward,
             "do_kv_cache_update": do_kv_cache_update,
-            "_specextend_tapped": True,
             "__doc__": f"{base.__name__} that also feeds a TargetAttentionTap.",
         },
     )

@@ -9,8 +9,11 @@ module (so a front-end process never imports the model runner for us):
 - ``GPUModelRunner.__init__`` (the CPU runner is its subclass): while a runner
   with ``spec_extend`` is built, the runner module's ``DraftModelProposer``
   name points to :class:`SpecExtendProposer`; it is restored right after, so
-  the stock class is untouched and ``isinstance`` checks keep working. The
-  worker gains ``spec_extend_metrics`` for ``collective_rpc``.
+  the stock class is untouched and ``isinstance`` checks keep working. That
+  runner's batch-wide ``_input_fits_in_drafter`` gate is replaced: every row
+  drafts. The worker gains ``spec_extend_metrics`` for ``collective_rpc``.
+- With compact draft positions and no user ``max_num_batched_tokens``, the
+  engine config's prompt chunks are capped at half the draft's window.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
   figures from the worker into Prometheus first (see ``metrics.py``).
 
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from vllm_specextend import plugin_logger
 from vllm_specextend.config import (
     SpecExtendConfig,
     SpecExtendConfigError,
@@ -38,6 +42,7 @@ MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 _PATCHED_MARK = "_specextend_wrapped"
+logger = plugin_logger(__name__)
 
 
 def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
@@ -73,6 +78,8 @@ def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
     block_size = vllm_config.cache_config.block_size
     if block_size is not None:
         config.resolved_chunk_size(block_size)
+        if uses_compact_positions(vllm_config, config):
+            _check_compact_positions(vllm_config, config, block_size)
     if vllm_config.use_v2_model_runner:
         raise SpecExtendConfigError(
             "spec_extend runs in vLLM's V1 model runner, but this engine selected "
@@ -80,6 +87,76 @@ def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
             "VLLM_USE_V2_MODEL_RUNNER=0."
         )
     return config
+
+
+def draft_window(vllm_config: Any) -> int:
+    """Positions the draft may run at: its ``max_model_len`` after vLLM's
+    capping (``speculative_config["max_model_len"]`` included)."""
+    return vllm_config.speculative_config.draft_model_config.max_model_len
+
+
+def uses_compact_positions(vllm_config: Any, config: SpecExtendConfig) -> bool:
+    return config.uses_compact_positions(
+        draft_window(vllm_config), vllm_config.model_config.max_model_len
+    )
+
+
+def _check_compact_positions(
+    vllm_config: Any, config: SpecExtendConfig, block_size: int
+) -> None:
+    spec = vllm_config.speculative_config
+    window = draft_window(vllm_config)
+    k = spec.num_speculative_tokens
+    config.check_working_cache_fits(window, block_size, k)
+    if spec.draft_model_config.uses_mrope:
+        raise SpecExtendConfigError(
+            "spec_extend's compact draft positions need a draft with plain rotary "
+            "positions; this draft uses M-RoPE. Set draft_positions='original' and "
+            "a draft window as long as the target's."
+        )
+    scheduler = vllm_config.scheduler_config
+    limit = config.prefill_chunk_limit(window, block_size, k)
+    if not scheduler.enable_chunked_prefill:
+        raise SpecExtendConfigError(
+            "spec_extend's compact draft positions prefill long prompts in chunks "
+            f"of at most {limit} tokens (the draft's window is {window}); enable "
+            "chunked prefill."
+        )
+    if scheduler.max_num_batched_tokens > limit:
+        raise SpecExtendConfigError(
+            f"max_num_batched_tokens={scheduler.max_num_batched_tokens} lets vLLM "
+            f"schedule prompt chunks longer than the draft can prefill inside its "
+            f"window of {window} positions (at most {limit} tokens with "
+            f"sink_tokens={config.sink_tokens}, num_speculative_tokens={k} and "
+            f"{block_size}-token blocks). Set max_num_batched_tokens <= {limit}, "
+            "or leave it unset to get half the draft's window."
+        )
+
+
+def fit_prefill_chunks_to_draft_window(
+    vllm_config: Any, config: SpecExtendConfig, user_chunk_budget: int | None
+) -> None:
+    """With compact draft positions and no ``max_num_batched_tokens`` from the
+    user, schedule prompt chunks of at most half the draft's window, so the
+    other half holds the most recent context while the draft prefills them."""
+    block_size = vllm_config.cache_config.block_size
+    if user_chunk_budget is not None or block_size is None:
+        return
+    if not uses_compact_positions(vllm_config, config):
+        return
+    scheduler = vllm_config.scheduler_config
+    window = draft_window(vllm_config)
+    half_window = max(block_size, window // 2 // block_size * block_size)
+    budget = max(scheduler.max_num_seqs, half_window)
+    if scheduler.max_num_batched_tokens > budget:
+        logger.info(
+            "SpecExtend: max_num_batched_tokens %d -> %d (half the draft's window "
+            "of %d positions) so the draft prefills long prompts inside its window",
+            scheduler.max_num_batched_tokens, budget, window,
+        )
+        scheduler.max_num_batched_tokens = budget
+        scheduler.max_num_encoder_input_tokens = budget
+        scheduler.encoder_cache_size = budget
 
 
 def _check_full_attention(role: str, model_config: Any) -> None:
@@ -111,7 +188,7 @@ def install_version_guard(message: str) -> None:
     """On an unsupported vLLM: patch nothing, but refuse ``spec_extend``."""
 
     def guard(module: ModuleType) -> None:
-        def check(vllm_config: Any) -> None:
+        def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
             options = spec_extend_options(getattr(vllm_config, "additional_config", None))
             if options is not None:
                 raise SpecExtendConfigError(message)
@@ -122,10 +199,19 @@ def install_version_guard(message: str) -> None:
 
 
 def _wrap_create_engine_config(module: ModuleType) -> None:
-    _wrap_engine_args(module, spec_extend_config)
+    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
+        options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+        spec = vllm_config.speculative_config
+        if options is not None and spec is not None and spec.uses_draft_model():
+            config = SpecExtendConfig.from_dict(options)
+            if config.enabled:
+                fit_prefill_chunks_to_draft_window(vllm_config, config, user_chunk_budget)
+        spec_extend_config(vllm_config)
+
+    _wrap_engine_args(module, check)
 
 
-def _wrap_engine_args(module: ModuleType, check: Callable[[Any], Any]) -> None:
+def _wrap_engine_args(module: ModuleType, check: Callable[[Any, int | None], Any]) -> None:
     engine_args = module.EngineArgs
     original = engine_args.create_engine_config
     if getattr(original, _PATCHED_MARK, False):
@@ -133,8 +219,9 @@ def _wrap_engine_args(module: ModuleType, check: Callable[[Any], Any]) -> None:
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
+        user_chunk_budget = self.max_num_batched_tokens
         vllm_config = original(self, *args, **kwargs)
-        check(vllm_config)
+        check(vllm_config, user_chunk_budget)
         return vllm_config
 
     setattr(create_engine_config, _PATCHED_MARK, True)
@@ -162,9 +249,17 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
             original(self, vllm_config, *args, **kwargs)
         finally:
             module.DraftModelProposer = stock
+        # vLLM switches drafting off for the whole batch when its longest
+        # request does not fit the draft's window; our proposer drafts every
+        # row inside the window (compact positions), so every row drafts.
+        self._input_fits_in_drafter = _every_row_drafts
 
     setattr(__init__, _PATCHED_MARK, True)
     runner_cls.__init__ = __init__
+
+
+def _every_row_drafts(common_attn_metadata: Any) -> bool:
+    return common_attn_metadata is not None
 
 
 def _add_worker_metrics_method() -> None:
