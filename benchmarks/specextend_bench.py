@@ -32,7 +32,9 @@ SUMMARY_INSTRUCTION = "Summarize the following passage in a few sentences."
 
 # The configurations of a run, by name: spec_extend options (None: no
 # retrieval) and whether the draft model is used.
-STOCK_CONFIGS = ("target", "draft_model", "ngram")
+STOCK_CONFIGS = ("target", "draft_model", "draft_model_full", "ngram")
+"""``draft_model_full``: stock drafting with the draft's own window, for
+reference when ``--draft-window`` caps the other draft configurations."""
 
 
 @dataclass
@@ -175,6 +177,8 @@ def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]
     elif config != "target":
         kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft,
                                         "num_speculative_tokens": args.k}
+        if args.draft_window and config != "draft_model_full":
+            kwargs["speculative_config"]["max_model_len"] = args.draft_window
         if args.heterogeneous_vocab:
             kwargs["speculative_config"]["use_heterogeneous_vocab"] = True
     if spec_extend is not None:
@@ -293,6 +297,16 @@ def markdown_table(measurements: list[Measurement]) -> str:
     return "\n".join(lines)
 
 
+CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:red",
+                 "streaming": "tab:green", "draft_model_full": "tab:purple",
+                 "ngram": "tab:brown"}
+
+
+def config_color(config: str) -> str:
+    """One colour per configuration, the same in every figure."""
+    return CONFIG_COLORS.get(config, "tab:olive")
+
+
 def plot(measurements: list[Measurement], path: Path, title: str) -> None:
     import matplotlib
 
@@ -305,9 +319,11 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
         rows = sorted((m for m in measurements if m.config == config),
                       key=lambda m: m.context_tokens)
         xs = [m.context_tokens for m in rows]
-        ax_speed.plot(xs, [m.decode_tok_s for m in rows], marker="o", label=config)
+        color = config_color(config)
+        ax_speed.plot(xs, [m.decode_tok_s for m in rows], marker="o", label=config, color=color)
         if rows and rows[0].mean_acceptance_length is not None:
-            ax_acc.plot(xs, [m.mean_acceptance_length for m in rows], marker="o", label=config)
+            ax_acc.plot(xs, [m.mean_acceptance_length for m in rows], marker="o", label=config,
+                        color=color)
     for ax, label in ((ax_speed, "decode tokens/s"), (ax_acc, "mean acceptance length")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
@@ -400,6 +416,8 @@ def run_needle(args) -> dict[str, Any]:
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     configs = {"draft_model": None, "streaming": {**base, "mode": "streaming"},
                "cmr": {**base, "mode": "cmr"}}
+    if args.draft_window:
+        configs = {"draft_model_full": None, **configs}
     params = SamplingParams(temperature=0.0, max_tokens=args.needle_tokens)
     rows = []
     with tqdm(total=len(configs) * len(cases), desc="needle", unit="run") as progress:
@@ -463,7 +481,7 @@ def write_needle(result: dict[str, Any], out_dir: Path) -> str:
     for config in dict.fromkeys(r["config"] for r in rows):
         mine = sorted((r for r in rows if r["config"] == config), key=lambda r: r["depth"])
         ax.plot([r["depth"] for r in mine], [r["draft_acceptance"] or 0 for r in mine],
-                marker="o", label=config)
+                marker="o", label=config, color=config_color(config))
     ax.set_xlabel("needle depth")
     ax.set_ylabel("draft acceptance on the answer")
     ax.set_ylim(0, 1.05)
@@ -613,6 +631,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-window", type=int, default=None,
+                        help="cap the draft's window (speculative_config max_model_len) in "
+                             "every draft configuration but draft_model_full")
     parser.add_argument("--configs", nargs="+",
                         default=["target", "draft_model", "cmr", "streaming"])
     parser.add_argument("--spec-extend", default=None,
@@ -654,7 +675,8 @@ def main(argv=None) -> None:
     name = args.name or ("sweep" if args.sweep else "needle" if args.needle else "main")
     out_dir = args.out or RESULTS_DIR / name
     machine = machine_info()
-    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}, {args.dtype}, "
+    window = f" (window {args.draft_window})" if args.draft_window else ""
+    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}{window}, {args.dtype}, "
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_capability']})")
     if args.sweep:

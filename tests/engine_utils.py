@@ -30,6 +30,15 @@ class EngineRun:
     token_ids: list[list[int]]
     spec_decode: dict[str, Any]
     retrieval: dict[str, Any] | None
+    request_spec_decode: list[Any]
+    """Per request (first pass), vLLM's ``RequestSpecDecodeMetrics`` when the
+    engine ran with ``per_request_spec_decode_metrics``, else None."""
+    num_kv_blocks: int
+
+
+def accepted_draft_tokens(request_metrics) -> int:
+    """Draft tokens the target accepted for one request."""
+    return sum(j * count for j, count in enumerate(request_metrics.histogram))
 
 
 def retrieval_metrics(llm) -> dict[str, Any] | None:
@@ -54,7 +63,10 @@ def spec_decode_counters(llm) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def engine(target: Path, draft: Path | None = None, k: int = 3,
-           spec_extend: dict | None = None, **overrides):
+           spec_extend: dict | None = None, draft_window: int | None = None,
+           **overrides):
+    """An ``LLM``; ``draft_window`` caps the draft's window (speculative
+    ``max_model_len``), which makes SpecExtend draft at compact positions."""
     from vllm import LLM
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **overrides}
@@ -64,6 +76,8 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
             "model": str(draft),
             "num_speculative_tokens": k,
         }
+        if draft_window is not None:
+            kwargs["speculative_config"]["max_model_len"] = draft_window
     if spec_extend is not None:
         kwargs["additional_config"] = {"spec_extend": spec_extend}
     llm = LLM(model=str(target), **kwargs)
@@ -83,13 +97,14 @@ def run_engine(
     k: int = 3,
     spec_extend: dict | None = None,
     repeat: int = 1,
+    draft_window: int | None = None,
     **overrides,
 ) -> EngineRun:
     """Greedy outputs of ``prompts``, generated ``repeat`` times in one engine
     (the later passes hit the prefix cache when it is on)."""
     from vllm import SamplingParams, TokensPrompt
 
-    with engine(target, draft, k, spec_extend, **overrides) as llm:
+    with engine(target, draft, k, spec_extend, draft_window, **overrides) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         token_ids = []
         for _ in range(repeat):
@@ -98,9 +113,12 @@ def run_engine(
                 use_tqdm=False,
             )
             token_ids += [list(o.outputs[0].token_ids) for o in outputs]
+            if len(token_ids) == len(outputs):
+                request_spec_decode = [o.outputs[0].spec_decode_metrics for o in outputs]
         counters = spec_decode_counters(llm) if draft is not None else {}
         retrieval = retrieval_metrics(llm)
-    return EngineRun(token_ids, counters, retrieval)
+        num_kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    return EngineRun(token_ids, counters, retrieval, request_spec_decode, num_kv_blocks)
 
 
 def corpus_prompts(tokenizer_dir: Path, lengths: list[int], offset: int = 0) -> list[list[int]]:

@@ -10,6 +10,9 @@ pytestmark = pytest.mark.engine
 
 SMALL_CACHE = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
                "min_context_tokens": 256}
+# Original positions (uncapped draft), or compact ones: the draft's window is
+# shorter than the prompts, so they are prefilled and drafted inside it.
+DRAFT_POSITIONS = pytest.mark.parametrize("draft_window", [None, 512], ids=["original", "compact"])
 
 
 def tracked_requests(llm) -> int:
@@ -35,15 +38,19 @@ def settle_and_count(llm) -> int:
     return tracked_requests(llm)
 
 
-def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model):
+@DRAFT_POSITIONS
+def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model, draft_window):
     prompts = corpus_prompts(target_model, [600, 650, 700, 750])
     reference = run_engine(target_model, prompts, 200).token_ids
     # Target and draft each hold 4 layers x (K, V) x 2 heads x 32 dims x fp32
     # = 2 KiB per token: 96 blocks of 32 tokens (3,072 tokens) admit all four
-    # prompts (2,700 tokens), but not their 800 generated tokens on top.
-    kv_bytes = 96 * 32 * 2 * 2048
-    with engine(target_model, draft_model, spec_extend=SMALL_CACHE,
+    # prompts (2,700 tokens), but not their 800 generated tokens on top. With
+    # compact positions the plain draft KV copy (another 2 KiB per token) is
+    # counted in the same budget.
+    kv_bytes = 96 * 32 * 2 * 2048 * (3 if draft_window else 2) // 2
+    with engine(target_model, draft_model, spec_extend=SMALL_CACHE, draft_window=draft_window,
                 kv_cache_memory_bytes=kv_bytes, max_model_len=3000) as llm:
+        assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 96
         outputs = llm.generate([tokens(p) for p in prompts], greedy(200), use_tqdm=False)
         preemptions = [m.value for m in llm.get_metrics()
                        if m.name == "vllm:num_preemptions"]
@@ -52,7 +59,8 @@ def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model):
         assert settle_and_count(llm) == 0
 
 
-def test_aborts_max_model_len_and_many_requests(target_model, draft_model):
+@DRAFT_POSITIONS
+def test_aborts_max_model_len_and_many_requests(target_model, draft_model, draft_window):
     long_prompts = corpus_prompts(target_model, [1500, 1800, 2100])
     near_limit = corpus_prompts(target_model, [4060], offset=30_000)[0]
     many = [tokens(long_prompts[i % 3][: 600 + i % 7]) for i in range(1000)]
@@ -64,7 +72,7 @@ def test_aborts_max_model_len_and_many_requests(target_model, draft_model):
     survivor_ref, near_limit_ref = reference[:2]
     distinct = dict(zip(distinct, reference[2:]))
 
-    with engine(target_model, draft_model, spec_extend=SMALL_CACHE,
+    with engine(target_model, draft_model, spec_extend=SMALL_CACHE, draft_window=draft_window,
                 max_model_len=4096, enable_prefix_caching=True) as llm:
         engine_core = llm.llm_engine
         # Abort two of three long requests mid-decode.

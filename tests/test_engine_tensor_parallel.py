@@ -11,8 +11,9 @@ SMALL_CACHE = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
                "min_context_tokens": 256}
 
 
+@pytest.mark.parametrize("draft_window", [None, 1024], ids=["original", "compact"])
 def test_cmr_with_two_tensor_parallel_ranks_equals_target_alone(
-    target_model, draft_model, monkeypatch
+    target_model, draft_model, monkeypatch, draft_window
 ):
     # vLLM's automatic thread binding wants one NUMA node per CPU rank; bind
     # one core per rank by hand instead.
@@ -20,7 +21,8 @@ def test_cmr_with_two_tensor_parallel_ranks_equals_target_alone(
     prompts = corpus_prompts(target_model, [300, 2500, 4000])
     alone = run_engine(target_model, prompts, 32)
     tp = run_engine(target_model, prompts, 32, draft=draft_model, spec_extend=SMALL_CACHE,
-                    tensor_parallel_size=2, distributed_executor_backend="mp")
+                    tensor_parallel_size=2, distributed_executor_backend="mp",
+                    draft_window=draft_window)
     assert tp.token_ids == alone.token_ids
     assert tp.retrieval["retrievals"] > 0
     assert tp.retrieval["kept_fraction"] < 0.5

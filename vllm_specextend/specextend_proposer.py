@@ -174,6 +174,20 @@ class SpecExtendProposer(DraftModelProposer):
             self._install_draft_kv_copy(kv_cache_config.num_blocks * self.block_size)
         self._allocate_selection_state()
 
+    def kv_copy_memory_share(self) -> float:
+        """Share of the KV cache budget to leave to the plain draft KV copy
+        (0 without compact positions); the worker takes it off the memory it
+        reports for the KV cache, so the copy is counted like the cache."""
+        if not self.compact_positions:
+            return 0.0
+        specs = self.runner.get_kv_cache_spec()
+        cache_per_token = sum(spec.page_size_bytes / spec.block_size for spec in specs.values())
+        layer = next(iter(self._draft_layers.values()))
+        copy_per_token = DraftKVCopy.bytes_per_token(
+            len(self._draft_layers), layer.num_kv_heads, layer.head_size, self.dtype
+        )
+        return copy_per_token / (cache_per_token + copy_per_token)
+
     def _install_draft_kv_copy(self, num_slots: int) -> None:
         layer = next(iter(self._draft_layers.values()))
         self.kv_copy = DraftKVCopy(

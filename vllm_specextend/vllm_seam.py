@@ -16,6 +16,9 @@ module (so a front-end process never imports the model runner for us):
   engine config's prompt chunks are capped at half the draft's window.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
   figures from the worker into Prometheus first (see ``metrics.py``).
+- ``Worker``/``CPUWorker.determine_available_memory``: with compact draft
+  positions, the plain draft KV copy's share is taken off the memory reported
+  for the KV cache, so vLLM sizes the cache with the copy counted.
 
 Without ``spec_extend`` options every wrapper calls straight through.
 """
@@ -41,6 +44,7 @@ ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+WORKER_CLASSES = {"vllm.v1.worker.gpu_worker": "Worker", "vllm.v1.worker.cpu_worker": "CPUWorker"}
 _PATCHED_MARK = "_specextend_wrapped"
 logger = plugin_logger(__name__)
 
@@ -182,6 +186,8 @@ def install() -> None:
     when_imported(MODEL_RUNNER_MODULE, _wrap_model_runner_init)
     when_imported(LLM_ENGINE_MODULE, _wrap_llm_engine_get_metrics)
     when_imported(ASYNC_LLM_MODULE, _wrap_async_llm_do_log_stats)
+    for module_name, class_name in WORKER_CLASSES.items():
+        when_imported(module_name, functools.partial(_wrap_worker_memory, class_name=class_name))
 
 
 def install_version_guard(message: str) -> None:
@@ -256,6 +262,29 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
 
     setattr(__init__, _PATCHED_MARK, True)
     runner_cls.__init__ = __init__
+
+
+def _wrap_worker_memory(module: ModuleType, class_name: str) -> None:
+    worker_cls = getattr(module, class_name)
+    original = worker_cls.determine_available_memory
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def determine_available_memory(self):
+        available = original(self)
+        drafter = getattr(self.model_runner, "drafter", None)
+        share = getattr(drafter, "kv_copy_memory_share", lambda: 0.0)()
+        if not share:
+            return available
+        logger.info(
+            "SpecExtend: %.1f%% of the %.2f GiB KV cache budget goes to the plain "
+            "draft KV copy (compact draft positions)", 100 * share, available / 2**30,
+        )
+        return int(available * (1 - share))
+
+    setattr(determine_available_memory, _PATCHED_MARK, True)
+    worker_cls.determine_available_memory = determine_available_memory
 
 
 def _every_row_drafts(common_attn_metadata: Any) -> bool:
