@@ -182,11 +182,14 @@ class SpecExtendProposer(DraftModelProposer):
             return 0.0
         specs = self.runner.get_kv_cache_spec()
         cache_per_token = sum(spec.page_size_bytes / spec.block_size for spec in specs.values())
+        copy_per_token = self._kv_copy_bytes_per_token()
+        return copy_per_token / (cache_per_token + copy_per_token)
+
+    def _kv_copy_bytes_per_token(self) -> int:
         layer = next(iter(self._draft_layers.values()))
-        copy_per_token = DraftKVCopy.bytes_per_token(
+        return DraftKVCopy.bytes_per_token(
             len(self._draft_layers), layer.num_kv_heads, layer.head_size, self.dtype
         )
-        return copy_per_token / (cache_per_token + copy_per_token)
 
     def _install_draft_kv_copy(self, num_slots: int) -> None:
         layer = next(iter(self._draft_layers.values()))
@@ -201,9 +204,7 @@ class SpecExtendProposer(DraftModelProposer):
             device=self.device,
         )
         install_draft_kv_copy(self._draft_layers, self.kv_copy)
-        bytes_per_token = DraftKVCopy.bytes_per_token(
-            len(self._draft_layers), layer.num_kv_heads, layer.head_size, self.dtype
-        )
+        bytes_per_token = self._kv_copy_bytes_per_token()
         logger.info(
             "SpecExtend: compact draft positions (window %d); plain draft KV copy "
             "of %d bytes per token, %.2f GiB for %d KV slots",
@@ -343,7 +344,7 @@ class SpecExtendProposer(DraftModelProposer):
             if cad.seq_lens_cpu_upper_bound is not None
             else cad.seq_lens.cpu()
         )[:num_reqs]
-        # Prefill rows are not retrieved for: the draft writes their KV once, and
+        # Prefill rows get no retrieval: the draft writes their KV once, and
         # would keep KV computed from partial context for good.
         is_decode = query_lens_cpu <= num_speculative_tokens + 1
         eligible = is_decode & (seq_lens_cpu >= max(config.min_context_tokens, 1))
@@ -455,12 +456,17 @@ class SpecExtendProposer(DraftModelProposer):
         compact, removed = rewrite_block_table(
             block_table[:batch], keep_all, self.block_size
         )
-        if self.kv_copy is not None and (due_rows or windowed_prefill_rows):
+        if self.kv_copy is not None:
             # Their kept context moved: lay it out at positions 0, 1, ...
-            self._reposition_working_caches(
-                torch.tensor(due_rows + windowed_prefill_rows, device=device),
-                compact, first_query_pos - removed[:num_reqs],
-            )
+            context_lens = first_query_pos - removed[:num_reqs]
+            if due_rows:
+                # Kept context before the query: at most the working cache.
+                self._reposition_working_caches(
+                    due, compact, context_lens,
+                    config.working_cache_tokens(self.block_size, num_speculative_tokens),
+                )
+            if windowed_prefill_rows:
+                self._reposition_working_caches(prefill, compact, context_lens, self.draft_window)
         if rows:
             # Tokens gained at the verification just done: accepted drafts + 1.
             accepted = token_indices_to_sample[rows_t] - cad.query_start_loc[rows_t] + 1
@@ -473,15 +479,20 @@ class SpecExtendProposer(DraftModelProposer):
         return _DraftView(block_table=compact, removed_tokens=removed)
 
     def _reposition_working_caches(
-        self, rows: torch.Tensor, compact_table: torch.Tensor, context_lens: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        compact_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
     ) -> None:
-        """Rewrite the kept context keys of ``rows`` at their compact positions."""
+        """Rewrite the kept context keys of ``rows`` (at most ``max_context_len``
+        each) at their compact positions."""
         assert self.kv_copy is not None
-        window = self.draft_window
+        length = min(max_context_len, self.draft_window)
         slots, valid = working_cache_slots(
-            compact_table[rows], context_lens[rows], window, self.block_size
+            compact_table[rows], context_lens[rows], length, self.block_size
         )
-        positions = torch.arange(window, device=self.device).repeat(rows.shape[0])
+        positions = torch.arange(length, device=self.device).repeat(rows.shape[0])
         self.kv_copy.write_working_cache(
             self._draft_layers, slots.flatten(), valid.flatten(), positions
         )
