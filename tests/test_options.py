@@ -75,15 +75,33 @@ def test_spec_extend_with_ngram_fails(target_model):
         )
 
 
-def test_model_runner_v2_is_refused_with_remedy(target_model, draft_model, monkeypatch):
-    # V2 needs Triton, which the CPU build lacks: simulate the GPU default.
-    from vllm.config import VllmConfig
+@pytest.mark.parametrize(
+    "engine_kwargs,message",
+    [
+        ({"kv_cache_dtype": "fp8"},
+         r"kv_cache_dtype='fp8': retrieval scores with the target's queries and keys.*"
+         r"Use kv_cache_dtype='auto'"),
+        ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+         r"KV connectors or KV offloading .* load KV blocks without the attention "
+         r"layers' do_kv_cache_update"),
+        ({"kv_offloading_size": 1.0},
+         r"KV connectors or KV offloading"),
+    ],
+)
+def test_kv_caches_retrieval_cannot_read_are_refused(target_model, draft_model,
+                                                      engine_kwargs, message):
+    with pytest.raises(SpecExtendConfigError, match=message):
+        engine_config(target_model, draft_model, spec_extend={}, **engine_kwargs)
 
+
+def test_context_parallelism_is_refused(target_model, draft_model):
     from vllm_specextend.vllm_seam import spec_extend_config
 
+    # Building a DCP engine config needs several devices; refuse on the config.
     config = engine_config(target_model, draft_model, spec_extend={})
-    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
-    with pytest.raises(SpecExtendConfigError, match=r"Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER=0"):
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"decode_context_parallel_size=2: context parallelism interleaves"):
         spec_extend_config(config)
 
 

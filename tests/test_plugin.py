@@ -19,15 +19,19 @@ def test_entry_point_is_discovered_by_vllms_plugin_loader():
 
 
 def test_register_is_idempotent_and_wraps_each_seam_once():
+    from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     vllm_specextend.register()
     vllm_specextend.register()
     assert EngineArgs.create_engine_config._specextend_wrapped
+    assert VllmConfig.use_v2_model_runner.fget._specextend_wrapped
     assert GPUModelRunner.__init__._specextend_wrapped
+    assert GPUModelRunnerV2.__init__._specextend_wrapped
     assert Worker.determine_available_memory._specextend_wrapped
     assert CPUWorker.determine_available_memory._specextend_wrapped
     assert not getattr(CPUWorker.determine_available_memory.__wrapped__, "_specextend_wrapped", False)

@@ -71,3 +71,23 @@ def test_install_tap_feeds_the_tap_and_keeps_the_impl_behaviour():
     other = _Layer()
     install_tap(other, make_tap())
     assert type(other.impl) is type(layer.impl)
+
+
+def test_a_scoring_layer_that_shares_another_layers_kv_is_refused():
+    import types
+
+    import pytest
+
+    from vllm_specextend.target_tap import last_target_layer
+
+    def layer(shares=None):
+        return types.SimpleNamespace(kv_sharing_target_layer_name=shares)
+
+    layers = {"model.layers.0.attn": layer(), "model.layers.1.attn": layer(),
+              "draft.layers.0.attn": layer()}
+    name, _ = last_target_layer(layers, {"draft.layers.0.attn"})
+    assert name == "model.layers.1.attn"
+    layers["model.layers.1.attn"] = layer(shares="model.layers.0.attn")
+    with pytest.raises(ValueError, match=r"last attention layer model.layers.1.attn, but "
+                                         r"that layer reuses the KV cache of model.layers.0.attn"):
+        last_target_layer(layers, {"draft.layers.0.attn"})

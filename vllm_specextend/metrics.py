@@ -38,11 +38,16 @@ _HISTOGRAMS = {
 
 
 def worker_metrics(worker: Any) -> dict[str, Any] | None:
-    """``Worker.spec_extend_metrics``: the drafter's figures, if it retrieves."""
-    from vllm_specextend.specextend_proposer import SpecExtendProposer
+    """``Worker.spec_extend_metrics``: the drafter's figures, if it retrieves
+    (``drafter`` in vLLM's V1 runner, ``speculator`` in Model Runner V2)."""
+    from vllm_specextend.retrieval_planner import RetrievalPlanner
 
-    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    return drafter.metrics_snapshot() if isinstance(drafter, SpecExtendProposer) else None
+    runner = getattr(worker, "model_runner", None)
+    for name in ("drafter", "speculator"):
+        planner = getattr(getattr(runner, name, None), "planner", None)
+        if isinstance(planner, RetrievalPlanner):
+            return planner.metrics_snapshot()
+    return None
 
 
 class SpecExtendCollector:

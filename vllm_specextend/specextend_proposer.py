@@ -1,9 +1,11 @@
-"""Draft-model proposer whose draft attends only to target-chosen context.
+"""Draft-model proposer whose draft attends only to target-chosen context
+(vLLM's V1 model runner).
 
 The diff against vLLM's ``DraftModelProposer``:
-- ``load_model`` taps the target's last attention layer (queries and keys);
-- ``initialize_attn_backend`` sizes the tap's key buffer to the KV cache;
-- ``propose`` plans, per request, which KV blocks the draft keeps;
+- ``load_model`` finds the target's last attention layer;
+- ``initialize_attn_backend`` taps it, sized to the KV cache;
+- ``propose`` plans, per request, which KV blocks the draft keeps (the shared
+  :class:`RetrievalPlanner`, fed from the V1 attention metadata);
 - ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
   compacted block table and shortened ``seq_lens``;
 - with compact draft positions, ``_get_positions`` runs each compacted row at
@@ -15,19 +17,12 @@ are exactly the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 from typing_extensions import override
 
 from vllm.config import VllmConfig, get_layers_from_vllm_config
-from vllm.distributed import (
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
-)
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
@@ -37,38 +32,24 @@ from vllm_specextend.config import SpecExtendConfig, spec_extend_options
 from vllm_specextend.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
 from vllm_specextend.repositioning import (
     RotaryLayout,
-    streaming_recent_start_block,
     token_rows,
     working_cache_slots,
 )
-from vllm_specextend.retrieval import (
-    attention_scores,
-    chunk_scores,
-    context_keys,
-    rewrite_block_table,
-    select_blocks,
+from vllm_specextend.retrieval_planner import (
+    DraftView,
+    PlanningBatch,
+    RetrievalPlanner,
+    log_scoring_layer,
 )
-from vllm_specextend.stats import RetrievalStats
-from vllm_specextend.target_tap import TargetAttentionTap, install_tap
+from vllm_specextend.target_tap import (
+    TargetAttentionTap,
+    kv_cache_group_of,
+    last_target_layer,
+    tap_target_layer,
+)
 from vllm_specextend.vllm_seam import draft_window, uses_compact_positions
 
 logger = plugin_logger(__name__)
-
-
-@dataclass
-class _RequestState:
-    slot: int
-    steps_since_retrieval: int = 0
-    has_selection: bool = False
-    retrievals: int = 0
-
-
-@dataclass
-class _DraftView:
-    """What the draft's attention sees during one ``propose`` call."""
-
-    block_table: torch.Tensor
-    removed_tokens: torch.Tensor
 
 
 class SpecExtendProposer(DraftModelProposer):
@@ -80,18 +61,21 @@ class SpecExtendProposer(DraftModelProposer):
         self.runner = runner
         self.tap: TargetAttentionTap | None = None
         self.target_layer_name: str | None = None
-        self.stats = RetrievalStats(max_requests=self.max_batch_size, device=device)
-        self._requests: dict[str, _RequestState] = {}
-        self._free_slots = list(range(self.max_batch_size))
-        self._draft_view: _DraftView | None = None
-        # Sized once the KV cache (block size, block table width) is known.
-        self._selected_blocks: torch.Tensor | None = None
-        self._score_sums: torch.Tensor | None = None
-        self.chunk_size = -1
         self.draft_window = draft_window(vllm_config)
         self.compact_positions = uses_compact_positions(
             vllm_config, self.spec_extend_config
         )
+        self.planner = RetrievalPlanner(
+            self.spec_extend_config,
+            max_num_reqs=self.max_batch_size,
+            max_model_len=self.max_model_len,
+            # num_speculative_tokens of this step may be smaller (dynamic K).
+            max_num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+            draft_window=self.draft_window,
+            compact_positions=self.compact_positions,
+            device=device,
+        )
+        self._draft_view: DraftView | None = None
         self.kv_copy: DraftKVCopy | None = None
         self._draft_layers: dict[str, Attention] = {}
         # Per flat draft token: compact position = original - shift.
@@ -104,32 +88,16 @@ class SpecExtendProposer(DraftModelProposer):
     @override
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)
-        target_layers = {
-            name: layer
-            for name, layer in get_layers_from_vllm_config(
-                self.vllm_config, Attention
-            ).items()
-            if name not in self._draft_attn_layer_names
-        }
-        if not target_layers:
-            raise ValueError("SpecExtend found no attention layer in the target model")
-        self.target_layer_name = max(target_layers, key=extract_layer_index)
-        self._target_layer = target_layers[self.target_layer_name]
+        attention_layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        self.target_layer_name, self._target_layer = last_target_layer(
+            attention_layers, self._draft_attn_layer_names
+        )
         self._draft_layers = {
-            name: layer
-            for name, layer in get_layers_from_vllm_config(
-                self.vllm_config, Attention
-            ).items()
+            name: layer for name, layer in attention_layers.items()
             if name in self._draft_attn_layer_names
         }
-        logger.info(
-            "SpecExtend: scoring with the target's last attention layer %s "
-            "(mode=%s, draft positions %s, draft window %d)",
-            self.target_layer_name,
-            self.spec_extend_config.mode,
-            "compact" if self.compact_positions else "original",
-            self.draft_window,
-        )
+        log_scoring_layer(self.target_layer_name, self.spec_extend_config,
+                          self.compact_positions, self.draft_window)
 
     @override
     def initialize_attn_backend(
@@ -138,41 +106,17 @@ class SpecExtendProposer(DraftModelProposer):
         kernel_block_sizes: list[int] | None = None,
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        groups = [
-            gid
-            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
-            if self.target_layer_name in group.layer_names
-        ]
-        if groups != [self.kv_cache_gid]:
-            raise ValueError(
-                "SpecExtend needs the target's last attention layer and the draft's "
-                "layers in one KV cache group (one shared block table); this model "
-                f"has {len(kv_cache_config.kv_cache_groups)} KV cache groups "
-                "(hybrid or sliding-window attention). Use a full-attention target."
-            )
-        self.chunk_size = self.spec_extend_config.resolved_chunk_size(self.block_size)
-        logger.info(
-            "SpecExtend: %d-token chunks, top %d chunks + %d sink + %d recent tokens",
-            self.chunk_size,
-            self.spec_extend_config.resolved_top_k_chunks(self.chunk_size),
-            self.spec_extend_config.sink_tokens,
-            self.spec_extend_config.recent_tokens,
+        gid = kv_cache_group_of(
+            kv_cache_config, self.target_layer_name, set(self._draft_layers)
         )
-        layer = self._target_layer
-        self.tap = TargetAttentionTap(
-            num_slots=kv_cache_config.num_blocks * self.block_size,
-            max_num_tokens=self.max_num_tokens,
-            num_heads=layer.num_heads,
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size,
-            scale=layer.impl.scale,
-            dtype=self.dtype,
-            device=self.device,
+        assert gid == self.kv_cache_gid
+        num_slots = kv_cache_config.num_blocks * self.block_size
+        self.tap = tap_target_layer(
+            self._target_layer, num_slots, self.max_num_tokens, self.dtype, self.device
         )
-        install_tap(layer, self.tap)
+        self.planner.bind_kv_cache(self.tap, self.block_size)
         if self.compact_positions:
-            self._install_draft_kv_copy(kv_cache_config.num_blocks * self.block_size)
-        self._allocate_selection_state()
+            self._install_draft_kv_copy(num_slots)
 
     def kv_copy_memory_share(self) -> float:
         """Share of the KV cache budget to leave to the plain draft KV copy
@@ -237,37 +181,16 @@ class SpecExtendProposer(DraftModelProposer):
             )
         return first
 
-    def _allocate_selection_state(self) -> None:
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self._selected_blocks = torch.ones(
-            self.max_batch_size, max_blocks, dtype=torch.bool, device=self.device
-        )
-        self._score_sums = torch.zeros(
-            self.max_batch_size,
-            -(-self.max_model_len // self.chunk_size),
-            dtype=torch.float32,
-            device=self.device,
-        )
-
     def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Swap retrieval options between requests (used by the tuning sweep).
-
-        Every request's selection is dropped and recomputed at its next step.
-        """
-        if not config.enabled:
-            raise ValueError("reconfigure needs an enabled mode (cmr or streaming)")
+        """Swap retrieval options between requests (used by the tuning sweep)."""
+        self.planner.reconfigure(config)
         self.spec_extend_config = config
-        self.chunk_size = config.resolved_chunk_size(self.block_size)
-        for req_id in list(self._requests):
-            self._forget(req_id, finished=False)
-        self._allocate_selection_state()
 
     # ---- the seam into drafting ------------------------------------------
 
     @override
     def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
         self._draft_view = self._plan_draft_view(
-            num_speculative_tokens,
             cad=kwargs["common_attn_metadata"],
             token_indices_to_sample=kwargs.get("token_indices_to_sample"),
             target_positions=kwargs["target_positions"],
@@ -327,156 +250,42 @@ class SpecExtendProposer(DraftModelProposer):
 
     def _plan_draft_view(
         self,
-        num_speculative_tokens: int,
         cad: CommonAttentionMetadata,
         token_indices_to_sample: torch.Tensor | None,
         target_positions: torch.Tensor,
-    ) -> _DraftView | None:
-        config = self.spec_extend_config
+    ) -> DraftView | None:
         num_reqs = cad.num_reqs
-        req_ids = self.runner.input_batch.req_ids[:num_reqs]
-        self._forget_requests_not_in(req_ids)
-
-        query_start_cpu = cad.query_start_loc_cpu[: num_reqs + 1]
+        num_rows = cad.seq_lens.shape[0]
+        query_start_cpu = cad.query_start_loc_cpu[: num_reqs + 1].numpy()
         query_lens_cpu = query_start_cpu[1:] - query_start_cpu[:-1]
         seq_lens_cpu = (
             cad.seq_lens_cpu_upper_bound
             if cad.seq_lens_cpu_upper_bound is not None
             else cad.seq_lens.cpu()
-        )[:num_reqs]
-        # Prefill rows get no retrieval: the draft writes their KV once, and
-        # would keep KV computed from partial context for good.
-        is_decode = query_lens_cpu <= num_speculative_tokens + 1
-        eligible = is_decode & (seq_lens_cpu >= max(config.min_context_tokens, 1))
-        # Rows whose draft positions would leave the draft's window.
-        beyond_window = seq_lens_cpu + num_speculative_tokens > self.draft_window
-        if self.kv_copy is not None:
-            eligible |= is_decode & beyond_window
-
-        rows: list[int] = []
-        due_rows: list[int] = []
-        # Long prompts, prefilled by the draft over sink + most recent blocks.
-        windowed_prefill_rows: list[int] = []
-        for row, req_id in enumerate(req_ids):
-            if not eligible[row]:
-                if not is_decode[row]:
-                    self._forget(req_id)
-                    if self.kv_copy is not None and beyond_window[row]:
-                        windowed_prefill_rows.append(row)
-                continue
-            state = self._requests.get(req_id) or self._track(req_id)
-            state.steps_since_retrieval += 1
-            rows.append(row)
-            if (
-                not state.has_selection
-                or state.steps_since_retrieval >= config.retrieval_interval
-            ):
-                due_rows.append(row)
-        if not rows and not windowed_prefill_rows:
-            return None
-
-        device = self.device
-        slots_of = lambda rs: torch.tensor(  # noqa: E731
-            [self._requests[req_ids[r]].slot for r in rs], device=device
-        )
-        block_table = cad.block_table_tensor
-        query_lens = (cad.query_start_loc[1:] - cad.query_start_loc[:-1])[:num_reqs]
-        first_query_pos = cad.seq_lens[:num_reqs] - query_lens
+        )[:num_reqs].numpy()
         if token_indices_to_sample is None:
             token_indices_to_sample = cad.query_start_loc[1 : num_reqs + 1] - 1
-
-        if config.mode == "cmr":
-            score_rows = rows if config.score_aggregation == "accepted_tokens" else due_rows
-            if score_rows:
-                self._accumulate_scores(
-                    score_rows,
-                    slots_of(score_rows),
-                    cad,
-                    token_indices_to_sample,
-                    target_positions,
-                    int(seq_lens_cpu[score_rows].max()),
-                    accumulate=config.score_aggregation == "accepted_tokens",
-                )
-
-        assert self._selected_blocks is not None and self._score_sums is not None
-        num_blocks = min(block_table.shape[1], self._selected_blocks.shape[1])
-        sink_blocks = -(-config.sink_tokens // self.block_size)
-        blocks_per_chunk = self.chunk_size // self.block_size
-        if due_rows:
-            due = torch.tensor(due_rows, device=device)
-            due_slots = slots_of(due_rows)
-            recent_start_block = (
-                (first_query_pos[due] - config.recent_tokens).clamp(min=0)
-                // self.block_size
+        input_batch = self.runner.input_batch
+        view = self.planner.plan(
+            PlanningBatch(
+                req_ids=input_batch.req_ids[:num_reqs],
+                query_start_loc=cad.query_start_loc[: num_reqs + 1],
+                seq_lens=cad.seq_lens,
+                block_table=cad.block_table_tensor[:num_rows],
+                last_token_indices=token_indices_to_sample[:num_reqs],
+                positions=target_positions[0] if target_positions.dim() == 2 else target_positions,
+                query_lens_cpu=query_lens_cpu,
+                context_lens_cpu=seq_lens_cpu - query_lens_cpu,
+                prompt_lens_cpu=input_batch.num_prompt_tokens[:num_reqs],
             )
-            if config.mode == "cmr":
-                scores = self._score_sums[due_slots]
-            else:
-                # Streaming: the most recent chunks win the top-k.
-                num_chunks = self._score_sums.shape[1]
-                scores = torch.arange(num_chunks, device=device, dtype=torch.float32)
-                scores = scores.expand(len(due_rows), num_chunks)
-            keep = select_blocks(
-                scores,
-                recent_start_block,
-                top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
-                sink_blocks=sink_blocks,
-                blocks_per_chunk=blocks_per_chunk,
-                num_blocks=num_blocks,
-            )
-            self._selected_blocks[due_slots, :num_blocks] = keep
-            if config.score_aggregation == "accepted_tokens":
-                self._score_sums[due_slots] = 0.0
-            for row in due_rows:
-                state = self._requests[req_ids[row]]
-                state.has_selection = True
-                state.steps_since_retrieval = 0
-                state.retrievals += 1
-            self.stats.retrievals += len(due_rows)
-
-        batch = cad.seq_lens.shape[0]
-        keep_all = torch.ones(batch, block_table.shape[1], dtype=torch.bool, device=device)
-        if rows:
-            rows_t = torch.tensor(rows, device=device)
-            keep_all[rows_t, :num_blocks] = self._selected_blocks[slots_of(rows), :num_blocks]
-        if windowed_prefill_rows:
-            prefill = torch.tensor(windowed_prefill_rows, device=device)
-            recent_start_block = streaming_recent_start_block(
-                first_query_pos[prefill], query_lens[prefill], num_speculative_tokens,
-                sink_blocks, self.draft_window, self.block_size,
-            )
-            keep_all[prefill, :num_blocks] = select_blocks(
-                self._score_sums.new_empty(len(windowed_prefill_rows), 0),
-                recent_start_block,
-                top_k_chunks=0,
-                sink_blocks=sink_blocks,
-                blocks_per_chunk=blocks_per_chunk,
-                num_blocks=num_blocks,
-            )
-        compact, removed = rewrite_block_table(
-            block_table[:batch], keep_all, self.block_size
         )
-        if self.kv_copy is not None:
-            # Their kept context moved: lay it out at positions 0, 1, ...
-            context_lens = first_query_pos - removed[:num_reqs]
-            if due_rows:
-                # Kept context before the query: at most the working cache.
+        if view is not None and self.kv_copy is not None:
+            for rewrite in view.rewrites:
                 self._reposition_working_caches(
-                    due, compact, context_lens,
-                    config.working_cache_tokens(self.block_size, num_speculative_tokens),
+                    rewrite.rows, view.block_table, view.kept_context_lens,
+                    rewrite.max_context_len,
                 )
-            if windowed_prefill_rows:
-                self._reposition_working_caches(prefill, compact, context_lens, self.draft_window)
-        if rows:
-            # Tokens gained at the verification just done: accepted drafts + 1.
-            accepted = token_indices_to_sample[rows_t] - cad.query_start_loc[rows_t] + 1
-            self.stats.record_step(
-                slots_of(rows),
-                context_tokens=cad.seq_lens[rows_t],
-                removed_tokens=removed[rows_t],
-                acceptance_lengths=torch.where(query_lens[rows_t] > 1, accepted, 0),
-            )
-        return _DraftView(block_table=compact, removed_tokens=removed)
+        return view
 
     def _reposition_working_caches(
         self,
@@ -496,86 +305,3 @@ class SpecExtendProposer(DraftModelProposer):
         self.kv_copy.write_working_cache(
             self._draft_layers, slots.flatten(), valid.flatten(), positions
         )
-
-    def _accumulate_scores(
-        self,
-        rows: list[int],
-        slots: torch.Tensor,
-        cad: CommonAttentionMetadata,
-        token_indices_to_sample: torch.Tensor,
-        target_positions: torch.Tensor,
-        max_context_len: int,
-        accumulate: bool,
-    ) -> None:
-        """Chunk scores from the target's last layer for the given batch rows."""
-        tap = self.tap
-        assert tap is not None and self._score_sums is not None
-        rows_t = torch.tensor(rows, device=self.device)
-        num_query_rows = (
-            self.num_speculative_tokens + 1 if accumulate else 1
-        )
-        last = token_indices_to_sample[rows_t].long()
-        query_index = last.view(-1, 1) - torch.arange(
-            num_query_rows, device=self.device
-        ).view(1, -1)
-        valid = query_index >= cad.query_start_loc[rows_t].view(-1, 1)
-        query_index = query_index.clamp(min=0)
-        positions = target_positions[0] if target_positions.dim() == 2 else target_positions
-        query_positions = torch.where(valid, positions[query_index], -1)
-        keys = context_keys(
-            tap.keys, cad.block_table_tensor[rows_t], max_context_len, self.block_size
-        )
-        token_scores = attention_scores(
-            tap.queries[query_index], keys, query_positions, tap.scale
-        ).sum(dim=1)
-        if get_tensor_model_parallel_world_size() > 1:
-            # Each rank holds some heads: sum them so all ranks pick alike.
-            token_scores = tensor_model_parallel_all_reduce(token_scores)
-        scores = chunk_scores(token_scores, cad.seq_lens[rows_t], self.chunk_size)
-        width = min(scores.shape[1], self._score_sums.shape[1])
-        if accumulate:
-            self._score_sums[slots, :width] += scores[:, :width]
-        else:
-            self._score_sums[slots] = 0.0
-            self._score_sums[slots, :width] = scores[:, :width]
-
-    # ---- per-request state ------------------------------------------------
-
-    def metrics_snapshot(self) -> dict[str, object]:
-        """Aggregate and per-request retrieval figures (reads the device)."""
-        return {
-            **self.stats.as_dict(),
-            "tracked_requests": len(self._requests),
-            "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
-            "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
-            "requests": {
-                req_id: {"retrievals": state.retrievals,
-                         **self.stats.request_figures(state.slot)}
-                for req_id, state in self._requests.items()
-            },
-        }
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._requests)
-
-    def _track(self, req_id: str) -> _RequestState:
-        state = _RequestState(slot=self._free_slots.pop())
-        self._requests[req_id] = state
-        return state
-
-    def _forget(self, req_id: str, finished: bool = True) -> None:
-        state = self._requests.pop(req_id, None)
-        if state is None:
-            return
-        if finished:
-            self.stats.finish_request(state.slot)
-        else:
-            self.stats.clear_slot(state.slot)
-        self._free_slots.append(state.slot)
-
-    def _forget_requests_not_in(self, req_ids: list[str]) -> None:
-        """Free the state of finished, aborted or preempted requests."""
-        live = set(req_ids)
-        for req_id in [r for r in self._requests if r not in live]:
-            self._forget(req_id)

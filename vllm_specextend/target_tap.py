@@ -58,6 +58,72 @@ class TargetAttentionTap:
         self.keys.index_copy_(0, slots, keys.to(self.keys.dtype))
 
 
+def last_target_layer(
+    attention_layers: dict[str, torch.nn.Module], draft_layer_names: set[str]
+) -> tuple[str, torch.nn.Module]:
+    """The target's last attention layer: the one whose attention scores."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    target_layers = {
+        name: layer for name, layer in attention_layers.items()
+        if name not in draft_layer_names
+    }
+    if not target_layers:
+        raise ValueError("SpecExtend found no attention layer in the target model")
+    name = max(target_layers, key=extract_layer_index)
+    layer = target_layers[name]
+    shared = getattr(layer, "kv_sharing_target_layer_name", None)
+    if shared is not None:
+        raise ValueError(
+            f"SpecExtend scores with the target's last attention layer {name}, but "
+            f"that layer reuses the KV cache of {shared} "
+            "(kv_sharing_target_layer_name), so its keys are never written where "
+            "the tap records them. Remove spec_extend for this model."
+        )
+    return name, layer
+
+
+def kv_cache_group_of(
+    kv_cache_config, target_layer_name: str, draft_layer_names: set[str]
+) -> int:
+    """The one KV cache group holding the scoring layer and every draft layer."""
+    groups = [
+        gid for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+        if target_layer_name in group.layer_names
+        and draft_layer_names <= set(group.layer_names)
+    ]
+    if len(groups) != 1:
+        raise ValueError(
+            "SpecExtend needs the target's last attention layer and the draft's "
+            "layers in one KV cache group (one shared block table); this model "
+            f"has {len(kv_cache_config.kv_cache_groups)} KV cache groups "
+            "(hybrid or sliding-window attention). Use a full-attention target."
+        )
+    return groups[0]
+
+
+def tap_target_layer(
+    layer: torch.nn.Module,
+    num_slots: int,
+    max_num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> TargetAttentionTap:
+    """A tap sized for ``num_slots`` KV slots, installed on ``layer``."""
+    tap = TargetAttentionTap(
+        num_slots=num_slots,
+        max_num_tokens=max_num_tokens,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_size,
+        scale=layer.impl.scale,
+        dtype=dtype,
+        device=device,
+    )
+    install_tap(layer, tap)
+    return tap
+
+
 def install_tap(layer: torch.nn.Module, tap: TargetAttentionTap) -> None:
     """Make ``layer.impl`` feed ``tap`` on every forward."""
     _require_separate_kv_update(layer)

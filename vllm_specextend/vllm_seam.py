@@ -6,12 +6,19 @@ module (so a front-end process never imports the model runner for us):
 - ``EngineArgs.create_engine_config``: validates ``spec_extend`` options when
   the engine (``LLM(...)``, ``vllm serve``) is constructed, before any model
   is loaded, and refuses configurations where retrieval could not run.
-- ``GPUModelRunner.__init__`` (the CPU runner is its subclass): while a runner
-  with ``spec_extend`` is built, the runner module's ``DraftModelProposer``
-  name points to :class:`SpecExtendProposer`; it is restored right after, so
-  the stock class is untouched and ``isinstance`` checks keep working. That
-  runner's batch-wide ``_input_fits_in_drafter`` gate is replaced: every row
-  drafts. The worker gains ``spec_extend_metrics`` for ``collective_rpc``.
+- ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
+  ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
+  (retrieval in Model Runner V2 has not been run on a GPU yet); ``=1`` gets
+  the MRV2 seam below, with a warning.
+- ``GPUModelRunner.__init__`` of the V1 runner (the CPU runner is its
+  subclass): while a runner with ``spec_extend`` is built, the runner
+  module's ``DraftModelProposer`` name points to :class:`SpecExtendProposer`;
+  it is restored right after, so the stock class is untouched and
+  ``isinstance`` checks keep working. That runner's batch-wide
+  ``_input_fits_in_drafter`` gate is replaced: every row drafts. The worker
+  gains ``spec_extend_metrics`` for ``collective_rpc``.
+- ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
+  ``init_speculator`` returning :class:`SpecExtendARSpeculator`.
 - With compact draft positions and no user ``max_num_batched_tokens``, the
   engine config's prompt chunks are capped at half the draft's window.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
@@ -41,7 +48,9 @@ from vllm_specextend.config import (
 )
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
+VLLM_CONFIG_MODULE = "vllm.config.vllm"
 MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+MODEL_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 WORKER_CLASSES = {"vllm.v1.worker.gpu_worker": "Worker", "vllm.v1.worker.cpu_worker": "CPUWorker"}
@@ -79,16 +88,26 @@ def spec_extend_config(vllm_config: Any) -> SpecExtendConfig | None:
         ("draft", spec.draft_model_config),
     ):
         _check_full_attention(role, model_config)
+    _check_kv_cache_reaches_tap(vllm_config)
     block_size = vllm_config.cache_config.block_size
+    compact = uses_compact_positions(vllm_config, config)
     if block_size is not None:
         config.resolved_chunk_size(block_size)
-        if uses_compact_positions(vllm_config, config):
+        if compact:
             _check_compact_positions(vllm_config, config, block_size)
     if vllm_config.use_v2_model_runner:
-        raise SpecExtendConfigError(
-            "spec_extend runs in vLLM's V1 model runner, but this engine selected "
-            "Model Runner V2, where retrieval would never run. Set "
-            "VLLM_USE_V2_MODEL_RUNNER=0."
+        if compact:
+            raise SpecExtendConfigError(
+                "spec_extend's compact draft positions (a draft window of "
+                f"{draft_window(vllm_config)} positions for a target max_model_len of "
+                f"{vllm_config.model_config.max_model_len}) run in vLLM's V1 model "
+                "runner only, but this engine selected Model Runner V2. Unset "
+                "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+            )
+        logger.warning_once(
+            "SpecExtend: Model Runner V2 selected; retrieval runs in "
+            "SpecExtendARSpeculator, which is unit-tested on CPU but has not been "
+            "run on a GPU yet. Unset VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
         )
     return config
 
@@ -163,6 +182,42 @@ def fit_prefill_chunks_to_draft_window(
         scheduler.encoder_cache_size = budget
 
 
+_UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "half", "float", "float32")
+
+
+def _check_kv_cache_reaches_tap(vllm_config: Any) -> None:
+    """Refuse set-ups where the tapped keys and queries would not match the KV
+    cache the draft reads: retrieval would pick chunks from wrong scores."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise SpecExtendConfigError(
+                f"spec_extend does not support {name}={size}: context parallelism "
+                "interleaves each request's KV cache over ranks, which block-table "
+                f"compaction does not follow. Use {name}=1."
+            )
+    if vllm_config.kv_transfer_config is not None:
+        raise SpecExtendConfigError(
+            "spec_extend does not support KV connectors or KV offloading "
+            "(kv_transfer_config / kv_offloading_size): they load KV blocks without "
+            "the attention layers' do_kv_cache_update, so the target's keys never "
+            "reach retrieval. Remove the KV connector, or spec_extend."
+        )
+    spec = vllm_config.speculative_config
+    for option, dtype in (
+        ("kv_cache_dtype", vllm_config.cache_config.cache_dtype),
+        ('speculative_config["kv_cache_dtype"]', spec.kv_cache_dtype),
+    ):
+        if dtype is not None and dtype not in _UNQUANTIZED_KV_CACHE_DTYPES:
+            raise SpecExtendConfigError(
+                f"spec_extend does not support {option}={dtype!r}: retrieval scores "
+                "with the target's queries and keys as the attention layer sees them, "
+                "and a quantized KV cache hands it scaled values. Use "
+                f"{option}='auto'."
+            )
+
+
 def _check_full_attention(role: str, model_config: Any) -> None:
     """Refuse models whose KV cache is not one full-attention block table."""
     if model_config is None:
@@ -183,7 +238,9 @@ def _check_full_attention(role: str, model_config: Any) -> None:
 def install() -> None:
     """Wrap vLLM's entry points once their modules are imported (idempotent)."""
     when_imported(ENGINE_ARGS_MODULE, _wrap_create_engine_config)
+    when_imported(VLLM_CONFIG_MODULE, _wrap_use_v2_model_runner)
     when_imported(MODEL_RUNNER_MODULE, _wrap_model_runner_init)
+    when_imported(MODEL_RUNNER_V2_MODULE, _wrap_model_runner_v2_init)
     when_imported(LLM_ENGINE_MODULE, _wrap_llm_engine_get_metrics)
     when_imported(ASYNC_LLM_MODULE, _wrap_async_llm_do_log_stats)
     for module_name, class_name in WORKER_CLASSES.items():
@@ -206,12 +263,11 @@ def install_version_guard(message: str) -> None:
 
 def _wrap_create_engine_config(module: ModuleType) -> None:
     def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
-        options = spec_extend_options(getattr(vllm_config, "additional_config", None))
-        spec = vllm_config.speculative_config
-        if options is not None and spec is not None and spec.uses_draft_model():
-            config = SpecExtendConfig.from_dict(options)
-            if config.enabled:
-                fit_prefill_chunks_to_draft_window(vllm_config, config, user_chunk_budget)
+        if _requests_spec_extend(vllm_config):
+            options = spec_extend_options(vllm_config.additional_config)
+            fit_prefill_chunks_to_draft_window(
+                vllm_config, SpecExtendConfig.from_dict(options), user_chunk_budget
+            )
         spec_extend_config(vllm_config)
 
     _wrap_engine_args(module, check)
@@ -259,6 +315,74 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
         # request does not fit the draft's window; our proposer drafts every
         # row inside the window (compact positions), so every row drafts.
         self._input_fits_in_drafter = _every_row_drafts
+
+    setattr(__init__, _PATCHED_MARK, True)
+    runner_cls.__init__ = __init__
+
+
+def _wrap_use_v2_model_runner(module: ModuleType) -> None:
+    config_cls = module.VllmConfig
+    stock = config_cls.use_v2_model_runner
+    if getattr(stock.fget, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(stock.fget)
+    def use_v2_model_runner(self) -> bool:
+        chosen = stock.fget(self)
+        if module.envs.VLLM_USE_V2_MODEL_RUNNER is not None or not _requests_spec_extend(self):
+            return chosen
+        forced = (
+            self.attention_config.hisparse_config is not None
+            or getattr(self, "watermark_config", None) is not None
+        )
+        if chosen and forced:
+            return chosen
+        logger.info_once(
+            "SpecExtend: retrieval runs in vLLM's V1 model runner; "
+            "VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2 "
+            "(SpecExtendARSpeculator, not yet run on a GPU)."
+        )
+        return False
+
+    setattr(use_v2_model_runner, _PATCHED_MARK, True)
+    config_cls.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def _requests_spec_extend(vllm_config: Any) -> bool:
+    """Whether the engine asks for retrieval (options are validated later)."""
+    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+    spec = vllm_config.speculative_config
+    if options is None or spec is None or not spec.uses_draft_model():
+        return False
+    try:
+        return SpecExtendConfig.from_dict(options).enabled
+    except SpecExtendConfigError:
+        return False
+
+
+def _wrap_model_runner_v2_init(module: ModuleType) -> None:
+    runner_cls = module.GPUModelRunner
+    original = runner_cls.__init__
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        if spec_extend_config(vllm_config) is None:
+            return original(self, vllm_config, *args, **kwargs)
+        from vllm_specextend.specextend_ar_speculator import SpecExtendARSpeculator
+
+        _add_worker_metrics_method()
+        stock = module.init_speculator
+
+        def init_speculator(vllm_config, device, req_states):
+            return SpecExtendARSpeculator(vllm_config, device)
+
+        module.init_speculator = init_speculator
+        try:
+            original(self, vllm_config, *args, **kwargs)
+        finally:
+            module.init_speculator = stock
 
     setattr(__init__, _PATCHED_MARK, True)
     runner_cls.__init__ = __init__
