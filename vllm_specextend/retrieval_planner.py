@@ -22,12 +22,11 @@ import torch
 from vllm_specextend import plugin_logger
 from vllm_specextend.config import SpecExtendConfig
 from vllm_specextend.repositioning import streaming_recent_start_block
-from vllm_specextend.retrieval import (
-    attention_scores,
-    chunk_scores,
-    context_keys,
-    rewrite_block_table,
-    select_blocks,
+from vllm_specextend.retrieval import rewrite_block_table, select_blocks
+from vllm_specextend.scoring import (
+    ScoringWorkspace,
+    chunk_attention_sums,
+    chunk_token_counts,
 )
 from vllm_specextend.stats import RetrievalStats
 from vllm_specextend.target_tap import TargetAttentionTap
@@ -118,7 +117,43 @@ def decode_rows(
     )
 
 
-def _sum_over_tensor_parallel_ranks(token_scores: torch.Tensor) -> torch.Tensor:
+class IndexStager:
+    """Host lists of batch rows or request slots as device index tensors,
+    without a host sync: numpy writes into pinned staging rows, then
+    ``non_blocking`` copies into device buffers. Two sets of rows alternate
+    between steps, so a step never overwrites rows the previous step's
+    copies may still read."""
+
+    MAX_INDEX_LISTS_PER_STEP = 8
+
+    def __init__(self, max_len: int, device: torch.device) -> None:
+        shape = (2, self.MAX_INDEX_LISTS_PER_STEP, max_len)
+        on_host = device.type == "cpu"
+        self._host = torch.zeros(shape, dtype=torch.int64, pin_memory=not on_host
+                                 and torch.cuda.is_available())
+        self._host_np = self._host.numpy()
+        self._device = self._host if on_host else torch.zeros(shape, dtype=torch.int64,
+                                                              device=device)
+        self._set = 0
+        self._used = 0
+
+    def next_step(self) -> IndexStager:
+        self._set ^= 1
+        self._used = 0
+        return self
+
+    def __call__(self, values: list[int]) -> torch.Tensor:
+        index = self._used
+        self._used += 1
+        count = len(values)
+        self._host_np[self._set, index, :count] = values
+        staged = self._device[self._set, index, :count]
+        if self._device is not self._host:
+            staged.copy_(self._host[self._set, index, :count], non_blocking=True)
+        return staged
+
+
+def _sum_over_tensor_parallel_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each rank scores its own heads: the sum makes every rank pick alike."""
     from vllm.distributed import (
         get_tensor_model_parallel_world_size,
@@ -127,8 +162,8 @@ def _sum_over_tensor_parallel_ranks(token_scores: torch.Tensor) -> torch.Tensor:
     )
 
     if not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1:
-        return token_scores
-    return tensor_model_parallel_all_reduce(token_scores)
+        return scores
+    return tensor_model_parallel_all_reduce(scores)
 
 
 @dataclass
@@ -168,6 +203,22 @@ class RetrievalPlanner:
         self.chunk_size = -1
         self._selected_blocks: torch.Tensor | None = None
         self._score_sums: torch.Tensor | None = None
+        self.scoring_workspace: ScoringWorkspace | None = None
+        self._index_stager = IndexStager(max_num_reqs, device)
+
+    def allocate_scoring_workspace(self, scoring_layer, dtype: torch.dtype) -> None:
+        """Scoring's fixed workspace; call at model load, before vLLM
+        measures free memory, so the KV cache is sized with it counted."""
+        self.scoring_workspace = ScoringWorkspace.allocate(
+            num_heads=scoring_layer.num_heads,
+            num_kv_heads=scoring_layer.num_kv_heads,
+            head_dim=scoring_layer.head_size,
+            max_num_reqs=self._max_num_reqs,
+            # accepted_tokens scores K + 1 rows per request (reconfigure may switch).
+            max_query_rows=self.max_num_speculative_tokens + 1,
+            dtype=dtype,
+            device=self.device,
+        )
 
     def bind_kv_cache(self, tap: TargetAttentionTap, block_size: int) -> None:
         """Size the selection state once the KV cache layout is known."""
@@ -252,22 +303,24 @@ class RetrievalPlanner:
             return None
 
         device = self.device
-        slots_of = lambda rs: torch.tensor(  # noqa: E731
-            [self._requests[batch.req_ids[r]].slot for r in rs], device=device
-        )
+        stage = self._index_stager.next_step()
+        slot_of_row = {row: self._requests[batch.req_ids[row]].slot for row in rows}
+        rows_t, row_slots = stage(rows), stage([slot_of_row[r] for r in rows])
+        due, due_slots = stage(due_rows), stage([slot_of_row[r] for r in due_rows])
         block_table = batch.block_table
         query_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1])[:num_reqs]
         first_query_pos = batch.seq_lens[:num_reqs] - query_lens
 
         if config.mode == "cmr":
-            score_rows = rows if config.score_aggregation == "accepted_tokens" else due_rows
+            accumulate = config.score_aggregation == "accepted_tokens"
+            score_rows = rows if accumulate else due_rows
             if score_rows:
                 self._accumulate_scores(
-                    score_rows,
-                    slots_of(score_rows),
+                    rows_t if accumulate else due,
+                    row_slots if accumulate else due_slots,
                     batch,
                     int(seq_lens_cpu[score_rows].max()),
-                    accumulate=config.score_aggregation == "accepted_tokens",
+                    accumulate=accumulate,
                 )
 
         assert self._selected_blocks is not None and self._score_sums is not None
@@ -276,8 +329,6 @@ class RetrievalPlanner:
         blocks_per_chunk = self.chunk_size // self.block_size
         rewrites: list[WorkingCacheRewrite] = []
         if due_rows:
-            due = torch.tensor(due_rows, device=device)
-            due_slots = slots_of(due_rows)
             recent_start_block = (
                 (first_query_pos[due] - config.recent_tokens).clamp(min=0)
                 // self.block_size
@@ -315,10 +366,9 @@ class RetrievalPlanner:
         num_rows = batch.seq_lens.shape[0]
         keep_all = torch.ones(num_rows, block_table.shape[1], dtype=torch.bool, device=device)
         if rows:
-            rows_t = torch.tensor(rows, device=device)
-            keep_all[rows_t, :num_blocks] = self._selected_blocks[slots_of(rows), :num_blocks]
+            keep_all[rows_t, :num_blocks] = self._selected_blocks[row_slots, :num_blocks]
         if windowed_prefill_rows:
-            prefill = torch.tensor(windowed_prefill_rows, device=device)
+            prefill = stage(windowed_prefill_rows)
             recent_start_block = streaming_recent_start_block(
                 first_query_pos[prefill], query_lens[prefill], k,
                 sink_blocks, self.draft_window, self.block_size,
@@ -341,7 +391,7 @@ class RetrievalPlanner:
                 batch.last_token_indices[rows_t] - batch.query_start_loc[rows_t] + 1
             )
             self.stats.record_step(
-                slots_of(rows),
+                row_slots,
                 context_tokens=batch.seq_lens[rows_t],
                 removed_tokens=removed[rows_t],
                 acceptance_lengths=torch.where(query_lens[rows_t] > 1, accepted, 0),
@@ -355,7 +405,7 @@ class RetrievalPlanner:
 
     def _accumulate_scores(
         self,
-        rows: list[int],
+        rows_t: torch.Tensor,
         slots: torch.Tensor,
         batch: PlanningBatch,
         max_context_len: int,
@@ -364,7 +414,6 @@ class RetrievalPlanner:
         """Chunk scores from the target's last layer for the given batch rows."""
         tap = self.tap
         assert tap is not None and self._score_sums is not None
-        rows_t = torch.tensor(rows, device=self.device)
         num_query_rows = self.max_num_speculative_tokens + 1 if accumulate else 1
         last = batch.last_token_indices[rows_t].long()
         query_index = last.view(-1, 1) - torch.arange(
@@ -373,14 +422,15 @@ class RetrievalPlanner:
         valid = query_index >= batch.query_start_loc[rows_t].view(-1, 1)
         query_index = query_index.clamp(min=0)
         query_positions = torch.where(valid, batch.positions[query_index], -1)
-        keys = context_keys(
-            tap.keys, batch.block_table[rows_t], max_context_len, self.block_size
+        assert self.scoring_workspace is not None
+        sums = chunk_attention_sums(
+            tap.queries[query_index], query_positions, tap.keys,
+            batch.block_table[rows_t], max_context_len, tap.scale, self.block_size,
+            self.chunk_size, self.scoring_workspace,
         )
-        token_scores = attention_scores(
-            tap.queries[query_index], keys, query_positions, tap.scale
-        ).sum(dim=1)
-        token_scores = _sum_over_tensor_parallel_ranks(token_scores)
-        scores = chunk_scores(token_scores, batch.seq_lens[rows_t], self.chunk_size)
+        sums = _sum_over_tensor_parallel_ranks(sums)
+        counts = chunk_token_counts(batch.seq_lens[rows_t], sums.shape[1], self.chunk_size)
+        scores = sums / counts.clamp(min=1)
         width = min(scores.shape[1], self._score_sums.shape[1])
         if accumulate:
             self._score_sums[slots, :width] += scores[:, :width]

@@ -43,6 +43,7 @@ from vllm_specextend.target_tap import (
     TargetAttentionTap,
     kv_cache_group_of,
     last_target_layer,
+    tap_bytes_per_token,
     tap_target_layer,
 )
 from vllm_specextend.vllm_seam import draft_window
@@ -95,9 +96,15 @@ class SpecExtendARSpeculator(StandaloneARSpeculator):
             get_layers_from_vllm_config(self.vllm_config, Attention),
             self.draft_attn_layer_names,
         )
+        self.planner.allocate_scoring_workspace(self._target_layer, self.dtype)
         log_scoring_layer(
             self.target_layer_name, self.spec_extend_config, False, self.draft_window
         )
+
+    def bytes_per_kv_token_outside_cache(self) -> int:
+        """The tap's key copy per KV slot; the worker counts it when it sizes
+        the KV cache."""
+        return tap_bytes_per_token(self._target_layer, self.dtype)
 
     @override
     def set_attn(

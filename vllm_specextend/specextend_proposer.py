@@ -45,6 +45,7 @@ from vllm_specextend.target_tap import (
     TargetAttentionTap,
     kv_cache_group_of,
     last_target_layer,
+    tap_bytes_per_token,
     tap_target_layer,
 )
 from vllm_specextend.vllm_seam import draft_window, uses_compact_positions
@@ -96,6 +97,7 @@ class SpecExtendProposer(DraftModelProposer):
             name: layer for name, layer in attention_layers.items()
             if name in self._draft_attn_layer_names
         }
+        self.planner.allocate_scoring_workspace(self._target_layer, self.dtype)
         log_scoring_layer(self.target_layer_name, self.spec_extend_config,
                           self.compact_positions, self.draft_window)
 
@@ -118,16 +120,14 @@ class SpecExtendProposer(DraftModelProposer):
         if self.compact_positions:
             self._install_draft_kv_copy(num_slots)
 
-    def kv_copy_memory_share(self) -> float:
-        """Share of the KV cache budget to leave to the plain draft KV copy
-        (0 without compact positions); the worker takes it off the memory it
-        reports for the KV cache, so the copy is counted like the cache."""
+    def bytes_per_kv_token_outside_cache(self) -> int:
+        """Memory per KV slot besides vLLM's cache: the tap's key copy and,
+        with compact positions, the plain draft KV copy. The worker counts it
+        when it sizes the KV cache."""
+        tap_bytes = tap_bytes_per_token(self._target_layer, self.dtype)
         if not self.compact_positions:
-            return 0.0
-        specs = self.runner.get_kv_cache_spec()
-        cache_per_token = sum(spec.page_size_bytes / spec.block_size for spec in specs.values())
-        copy_per_token = self._kv_copy_bytes_per_token()
-        return copy_per_token / (cache_per_token + copy_per_token)
+            return tap_bytes
+        return tap_bytes + self._kv_copy_bytes_per_token()
 
     def _kv_copy_bytes_per_token(self) -> int:
         layer = next(iter(self._draft_layers.values()))
@@ -258,14 +258,13 @@ class SpecExtendProposer(DraftModelProposer):
         num_rows = cad.seq_lens.shape[0]
         query_start_cpu = cad.query_start_loc_cpu[: num_reqs + 1].numpy()
         query_lens_cpu = query_start_cpu[1:] - query_start_cpu[:-1]
-        seq_lens_cpu = (
-            cad.seq_lens_cpu_upper_bound
-            if cad.seq_lens_cpu_upper_bound is not None
-            else cad.seq_lens.cpu()
-        )[:num_reqs].numpy()
+        input_batch = self.runner.input_batch
+        if cad.seq_lens_cpu_upper_bound is not None:
+            context_lens_cpu = cad.seq_lens_cpu_upper_bound[:num_reqs].numpy() - query_lens_cpu
+        else:
+            context_lens_cpu = input_batch.num_computed_tokens_cpu[:num_reqs]
         if token_indices_to_sample is None:
             token_indices_to_sample = cad.query_start_loc[1 : num_reqs + 1] - 1
-        input_batch = self.runner.input_batch
         view = self.planner.plan(
             PlanningBatch(
                 req_ids=input_batch.req_ids[:num_reqs],
@@ -275,7 +274,7 @@ class SpecExtendProposer(DraftModelProposer):
                 last_token_indices=token_indices_to_sample[:num_reqs],
                 positions=target_positions[0] if target_positions.dim() == 2 else target_positions,
                 query_lens_cpu=query_lens_cpu,
-                context_lens_cpu=seq_lens_cpu - query_lens_cpu,
+                context_lens_cpu=context_lens_cpu,
                 prompt_lens_cpu=input_batch.num_prompt_tokens[:num_reqs],
             )
         )

@@ -102,6 +102,11 @@ def kv_cache_group_of(
     return groups[0]
 
 
+def tap_bytes_per_token(layer: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The tap's key buffer per KV slot."""
+    return layer.num_kv_heads * layer.head_size * dtype.itemsize
+
+
 def tap_target_layer(
     layer: torch.nn.Module,
     num_slots: int,

@@ -23,9 +23,10 @@ module (so a front-end process never imports the model runner for us):
   engine config's prompt chunks are capped at half the draft's window.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
   figures from the worker into Prometheus first (see ``metrics.py``).
-- ``Worker``/``CPUWorker.determine_available_memory``: with compact draft
-  positions, the plain draft KV copy's share is taken off the memory reported
-  for the KV cache, so vLLM sizes the cache with the copy counted.
+- ``Worker``/``CPUWorker.determine_available_memory``: the share of the tap's
+  key copy (and, with compact draft positions, of the plain draft KV copy) is
+  taken off the memory reported for the KV cache, so vLLM sizes the cache with
+  them counted.
 
 Without ``spec_extend`` options every wrapper calls straight through.
 """
@@ -397,13 +398,22 @@ def _wrap_worker_memory(module: ModuleType, class_name: str) -> None:
     @functools.wraps(original)
     def determine_available_memory(self):
         available = original(self)
-        drafter = getattr(self.model_runner, "drafter", None)
-        share = getattr(drafter, "kv_copy_memory_share", lambda: 0.0)()
-        if not share:
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+        extra_per_token = getattr(drafter, "bytes_per_kv_token_outside_cache", None)
+        if extra_per_token is None:
             return available
+        extra = extra_per_token()
+        cache = sum(
+            spec.page_size_bytes / spec.block_size
+            for spec in runner.get_kv_cache_spec().values()
+        )
+        share = extra / (cache + extra)
         logger.info(
-            "SpecExtend: %.1f%% of the %.2f GiB KV cache budget goes to the plain "
-            "draft KV copy (compact draft positions)", 100 * share, available / 2**30,
+            "SpecExtend: %.1f%% of the %.2f GiB KV cache budget goes to retrieval's "
+            "copies (%d bytes per KV slot: the tap's keys%s)", 100 * share,
+            available / 2**30, extra,
+            ", the plain draft KV copy" if getattr(drafter, "compact_positions", False) else "",
         )
         return int(available * (1 - share))
 
