@@ -22,11 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.corpus import CORPUS_DIR, read_text, text_files
+
 # collective_rpc ships the timing hooks below to the worker process.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus" / "austen"
+DEFAULT_CORPUS = CORPUS_DIR
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SUMMARY_INSTRUCTION = "Summarize the following passage in a few sentences."
 
@@ -120,12 +122,10 @@ def _spec_counters(llm) -> dict[str, float]:
 
 
 def load_corpus(paths: list[Path]) -> str:
-    files: list[Path] = []
-    for path in paths:
-        files += sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    files = text_files(paths)
     if not files:
         raise SystemExit(f"no text files in {paths}")
-    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return "\n\n".join(read_text(f) for f in files)
 
 
 def summarization_prompt(tokenizer, text: str, total_tokens: int, offset: int = 0) -> list[int]:

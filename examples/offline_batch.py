@@ -1,15 +1,13 @@
 """Offline batch with SpecExtend: long and short prompts through LLM.generate.
 
-    python examples/offline_batch.py [--target PATH] [--draft PATH]
+    .venv/bin/python -m examples.offline_batch [--target PATH] [--draft PATH]   # from the repo root
 
 Defaults to the Qwen2.5-Coder 1.5B/0.5B pair (fetched and converted once, see
 benchmarks/real_models.py). Prints each output and what retrieval did.
 """
 
 import argparse
-from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "austen"
 
 
 def main() -> None:
@@ -21,9 +19,10 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from benchmarks.corpus import novel as read_novel
     from benchmarks.real_models import resolve_model
 
-    novel = (CORPUS / "persuasion.txt").read_text(encoding="utf-8")
+    novel = read_novel("persuasion")
     prompts = [
         "Write a Python function that reverses a string.",
         f"{novel[20_000:32_000]}\n\nSummarize the passage above in two sentences.",

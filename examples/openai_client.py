@@ -1,15 +1,18 @@
 """Query the server started by examples/serve.sh: a completion, a streamed
-chat, then the retrieval metrics (refreshed every VLLM_LOG_STATS_INTERVAL s)."""
+chat, then the retrieval metrics (refreshed every VLLM_LOG_STATS_INTERVAL s).
+
+    .venv/bin/python -m examples.openai_client   # from the repo root
+"""
 
 import urllib.request
-from pathlib import Path
 
 from openai import OpenAI
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "austen"
+from benchmarks.corpus import novel
+
 
 client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-passage = (CORPUS / "emma.txt").read_text(encoding="utf-8")[10_000:30_000]
+passage = novel("emma")[10_000:30_000]
 
 completion = client.completions.create(
     model="qwen-coder", prompt="def fibonacci(n):", max_tokens=48, temperature=0

