@@ -102,8 +102,8 @@ def _install_timers(worker) -> None:
 def _read_timers(worker) -> dict[str, Any]:
     runner = worker.model_runner
     timers = dict(runner._bench_timers)
-    drafter = getattr(runner, "drafter", None)
-    stats = getattr(drafter, "stats", None)
+    planner = getattr(getattr(runner, "drafter", None), "planner", None)
+    stats = getattr(planner, "stats", None)
     timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
     return timers
 

@@ -64,9 +64,10 @@ def spec_decode_counters(llm) -> dict[str, Any]:
 @contextlib.contextmanager
 def engine(target: Path, draft: Path | None = None, k: int = 3,
            spec_extend: dict | None = None, draft_window: int | None = None,
-           **overrides):
+           speculative_config_extra: dict | None = None, **overrides):
     """An ``LLM``; ``draft_window`` caps the draft's window (speculative
-    ``max_model_len``), which makes SpecExtend draft at compact positions."""
+    ``max_model_len``), which makes SpecExtend draft at compact positions;
+    ``speculative_config_extra`` adds other speculative options."""
     from vllm import LLM
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **overrides}
@@ -78,6 +79,7 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
         }
         if draft_window is not None:
             kwargs["speculative_config"]["max_model_len"] = draft_window
+        kwargs["speculative_config"].update(speculative_config_extra or {})
     if spec_extend is not None:
         kwargs["additional_config"] = {"spec_extend": spec_extend}
     llm = LLM(model=str(target), **kwargs)
