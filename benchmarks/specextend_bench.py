@@ -17,14 +17,14 @@ import argparse
 import json
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.corpus import CORPUS_DIR, read_text, text_files
+from benchmarks.timers import install_timers, read_timers, spec_counters
 
-# collective_rpc ships the timing hooks below to the worker process.
+# collective_rpc ships the timing hooks (benchmarks/timers.py) to the worker.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,66 +56,6 @@ class Measurement:
     token_ids: list[int] = field(repr=False)
     agreement_prefix: int | None = None
     agreement_fraction: float | None = None
-
-
-# ---- worker-side timers (run inside the engine's worker via collective_rpc) --
-
-
-def _install_timers(worker) -> None:
-    """Accumulate wall time of decode steps: the whole runner step, the
-    drafter and retrieval. Steps that prefill any request are left out."""
-    runner = worker.model_runner
-    spec = runner.vllm_config.speculative_config
-    max_decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-    timers = {"step": 0.0, "steps": 0, "draft": 0.0, "retrieval": 0.0}
-    runner._bench_timers = timers
-    state = {"decode": False}
-
-    def timed(obj, name, key, starts_step=False):
-        original = getattr(obj, name)
-
-        def wrapper(*args, **kwargs):
-            if starts_step:
-                scheduler_output = args[0] if args else kwargs["scheduler_output"]
-                scheduled = scheduler_output.num_scheduled_tokens
-                state["decode"] = bool(scheduled) and max(scheduled.values()) <= max_decode_tokens
-                timers["steps"] += state["decode"]
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if state["decode"]:
-                    timers[key] += time.perf_counter() - start
-
-        setattr(obj, name, wrapper)
-
-    # Drafting runs in sample_tokens, after execute_model returns.
-    timed(runner, "execute_model", "step", starts_step=True)
-    timed(runner, "sample_tokens", "step")
-    drafter = getattr(runner, "drafter", None)
-    if drafter is not None and hasattr(drafter, "propose"):
-        timed(drafter, "propose", "draft")
-        if hasattr(drafter, "_plan_draft_view"):
-            timed(drafter, "_plan_draft_view", "retrieval")
-
-
-def _read_timers(worker) -> dict[str, Any]:
-    runner = worker.model_runner
-    timers = dict(runner._bench_timers)
-    planner = getattr(getattr(runner, "drafter", None), "planner", None)
-    stats = getattr(planner, "stats", None)
-    timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
-    return timers
-
-
-def _spec_counters(llm) -> dict[str, float]:
-    counters = {}
-    for metric in llm.get_metrics():
-        if metric.name in ("vllm:spec_decode_num_drafts",
-                           "vllm:spec_decode_num_accepted_tokens",
-                           "vllm:spec_decode_num_draft_tokens"):
-            counters[metric.name] = metric.value
-    return counters
 
 
 # ---- prompts -----------------------------------------------------------------
@@ -192,18 +132,18 @@ def measure_config(args, config: str, spec_extend: dict | None,
 
     llm = LLM(**engine_kwargs(args, config, spec_extend))
     try:
-        llm.collective_rpc(_install_timers)
+        llm.collective_rpc(install_timers)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         # Warm-up: first-call costs (allocations, lazy init) stay out of timings.
         llm.generate([TokensPrompt(prompt_token_ids=prompts[min(prompts)][:256])],
                      SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         results = []
         for length, ids in prompts.items():
-            before_counts = _spec_counters(llm)
-            before_timers = llm.collective_rpc(_read_timers)[0]
+            before_counts = spec_counters(llm)
+            before_timers = llm.collective_rpc(read_timers)[0]
             output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-            after_counts = _spec_counters(llm)
-            after_timers = llm.collective_rpc(_read_timers)[0]
+            after_counts = spec_counters(llm)
+            after_timers = llm.collective_rpc(read_timers)[0]
             results.append(_measurement(config, length, output, before_counts, after_counts,
                                         before_timers, after_timers))
             progress.update(1)
@@ -426,10 +366,10 @@ def run_needle(args) -> dict[str, Any]:
                       | {"max_model_len": args.needle_length + args.needle_tokens + 64})
             try:
                 for (depth, key), ids in zip(cases, prompts):
-                    before = _spec_counters(llm)
+                    before = spec_counters(llm)
                     output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
                                           use_tqdm=False)[0]
-                    after = _spec_counters(llm)
+                    after = spec_counters(llm)
                     drafted = (after["vllm:spec_decode_num_draft_tokens"]
                                - before["vllm:spec_decode_num_draft_tokens"])
                     accepted = (after["vllm:spec_decode_num_accepted_tokens"]
@@ -537,7 +477,7 @@ def run_sweep(args) -> dict[str, Any]:
               | {"enable_prefix_caching": True})
     measurements: list[Measurement] = []
     try:
-        llm.collective_rpc(_install_timers)
+        llm.collective_rpc(install_timers)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         for ids in prompts.values():  # prefill once; later runs hit the cache
             llm.generate([TokensPrompt(prompt_token_ids=ids)],
@@ -549,10 +489,10 @@ def run_sweep(args) -> dict[str, Any]:
                          else ", ".join(f"{k}={v}" for k, v in point.items()) or "defaults")
                 llm.collective_rpc(_reconfigure, args=(options,))
                 for length, ids in prompts.items():
-                    c0, t0 = _spec_counters(llm), llm.collective_rpc(_read_timers)[0]
+                    c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
                                           use_tqdm=False)[0]
-                    c1, t1 = _spec_counters(llm), llm.collective_rpc(_read_timers)[0]
+                    c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     measurements.append(_measurement(label, length, output, c0, c1, t0, t1))
                     bar.update(1)
     finally:
@@ -650,6 +590,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sweep-points", default=None,
                         help="JSON list of option dicts to sweep instead of the built-in "
                              "points, each applied on top of --spec-extend")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="batched mode: N passages per LLM.generate call for each N "
+                             "(benchmarks/batch.py), e.g. --batch-sizes 1 4 8")
+    parser.add_argument("--serve", action="store_true",
+                        help="served mode: vllm serve per configuration, measured with "
+                             "vllm bench serve (benchmarks/serve.py)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="served mode: prompts and --max-concurrency")
     parser.add_argument("--needle", action="store_true",
                         help="run the needle-retrieval benchmark instead")
     parser.add_argument("--needle-length", type=int, default=4096)
@@ -657,7 +605,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default=None,
                         help="results folder under benchmarks/results "
-                             "(default: main, sweep or needle)")
+                             "(default: main, sweep, needle, batch or serve)")
     return parser.parse_args(argv)
 
 
@@ -672,7 +620,9 @@ def main(argv=None) -> None:
     # Slow CPUs can spend minutes on one long prefill step; vLLM's default
     # step timeout (300 s) would kill the engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
-    name = args.name or ("sweep" if args.sweep else "needle" if args.needle else "main")
+    name = args.name or ("sweep" if args.sweep else "needle" if args.needle
+                         else "batch" if args.batch_sizes else "serve" if args.serve
+                         else "main")
     out_dir = args.out or RESULTS_DIR / name
     machine = machine_info()
     window = f" (window {args.draft_window})" if args.draft_window else ""
@@ -695,6 +645,19 @@ def main(argv=None) -> None:
             "every chunk, whose drafting is identical to stock draft_model (tested).\n\n"
             f"{table}\n")
         print(table)
+        return
+    if args.serve:
+        from benchmarks.serve import run_serve, write_serve
+
+        args.out = out_dir
+        print(write_serve(run_serve(args), out_dir, title))
+        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+        return
+    if args.batch_sizes:
+        from benchmarks.batch import run_batch, write_batch
+
+        print(write_batch(run_batch(args), out_dir, title))
+        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
         return
     if args.needle:
         print(write_needle(run_needle(args), out_dir))

@@ -150,3 +150,11 @@ def test_planning_never_reads_the_device_from_the_host(options, monkeypatch):
         view = planner.plan(to_device(planning_batch(**rows), meta))
         assert view is not None and view.block_table.device == meta
     assert sorted(planner._requests) == ["full_k", "reduced_k"]
+
+
+def test_mode_off_drafts_stock_and_drops_request_state():
+    planner = streaming_planner()
+    assert planner.plan(planning_batch(**ROWS)) is not None
+    planner.reconfigure(SpecExtendConfig(mode="off"))
+    assert planner.plan(planning_batch(**ROWS)) is None
+    assert planner._requests == {}

@@ -7,9 +7,8 @@ engine is built with ``additional_config={"spec_extend": {...}}``.
 
 from __future__ import annotations
 
+import logging
 import os
-
-from vllm.logger import init_logger
 
 __version__ = "0.1.0"
 
@@ -21,7 +20,13 @@ SKIP_VERSION_CHECK_ENV = "VLLM_SPECEXTEND_SKIP_VERSION_CHECK"
 
 def plugin_logger(module_name: str):
     """A logger under vLLM's ``vllm`` namespace, so vLLM's logging
-    configuration (handlers, level, format) applies to our messages too."""
+    configuration (handlers, level, format) applies to our messages too.
+    Without vLLM (the pure-torch layer on a machine that has only torch) a
+    standard logger of the same name."""
+    try:
+        from vllm.logger import init_logger
+    except ImportError:
+        return logging.getLogger(f"vllm.plugins.{module_name}")
     return init_logger(f"vllm.plugins.{module_name}")
 
 

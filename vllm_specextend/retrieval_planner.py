@@ -155,12 +155,14 @@ class IndexStager:
 
 def _sum_over_tensor_parallel_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each rank scores its own heads: the sum makes every rank pick alike."""
-    from vllm.distributed import (
-        get_tensor_model_parallel_world_size,
-        model_parallel_is_initialized,
-        tensor_model_parallel_all_reduce,
-    )
-
+    try:
+        from vllm.distributed import (
+            get_tensor_model_parallel_world_size,
+            model_parallel_is_initialized,
+            tensor_model_parallel_all_reduce,
+        )
+    except ImportError:  # the pure-torch layer alone, without vLLM
+        return scores
     if not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1:
         return scores
     return tensor_model_parallel_all_reduce(scores)
@@ -247,12 +249,13 @@ class RetrievalPlanner:
         )
 
     def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Swap retrieval options between requests (used by the tuning sweep).
+        """Swap retrieval options between requests (used by the benchmarks);
+        mode ``off`` drafts as stock vLLM does.
 
         Every request's selection is dropped and recomputed at its next step.
         """
-        if not config.enabled:
-            raise ValueError("reconfigure needs an enabled mode (cmr or streaming)")
+        if self.compact_positions and not config.enabled:
+            raise ValueError("compact draft positions need retrieval (cmr or streaming)")
         self.config = config
         self.chunk_size = config.resolved_chunk_size(self.block_size)
         for req_id in list(self._requests):
@@ -264,6 +267,9 @@ class RetrievalPlanner:
     def plan(self, batch: PlanningBatch) -> DraftView | None:
         """The draft's view for this step, or None when every row sees all."""
         config = self.config
+        if not config.enabled:
+            self._forget_requests_not_in([])
+            return None
         k = self.max_num_speculative_tokens
         num_reqs = batch.num_reqs
         self._forget_requests_not_in(batch.req_ids)

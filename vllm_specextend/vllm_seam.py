@@ -292,6 +292,31 @@ def _wrap_engine_args(module: ModuleType, check: Callable[[Any, int | None], Any
 
 
 def _wrap_model_runner_init(module: ModuleType) -> None:
+    def proposer(stock: type) -> type:
+        from vllm_specextend.cpu_rejection_sampling import patch_cpu_rejection_sampler
+        from vllm_specextend.specextend_proposer import SpecExtendProposer
+
+        patch_cpu_rejection_sampler()
+        return SpecExtendProposer
+
+    def every_row_drafts(runner: Any) -> None:
+        # vLLM switches drafting off for the whole batch when its longest
+        # request does not fit the draft's window; our proposer drafts every
+        # row inside the window (compact positions), so every row drafts.
+        runner._input_fits_in_drafter = _every_row_drafts
+
+    _swap_while_runner_is_built(module, "DraftModelProposer", proposer, every_row_drafts)
+
+
+def _swap_while_runner_is_built(
+    module: ModuleType,
+    name: str,
+    replacement: Callable[[Any], Any],
+    after_init: Callable[[Any], None] | None = None,
+) -> None:
+    """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, the
+    module's ``name`` is ``replacement(stock)``; it is restored right after,
+    so the stock object is untouched and ``isinstance`` checks keep working."""
     runner_cls = module.GPUModelRunner
     original = runner_cls.__init__
     if getattr(original, _PATCHED_MARK, False):
@@ -301,21 +326,15 @@ def _wrap_model_runner_init(module: ModuleType) -> None:
     def __init__(self, vllm_config, *args, **kwargs):
         if spec_extend_config(vllm_config) is None:
             return original(self, vllm_config, *args, **kwargs)
-        from vllm_specextend.cpu_rejection_sampling import patch_cpu_rejection_sampler
-        from vllm_specextend.specextend_proposer import SpecExtendProposer
-
-        patch_cpu_rejection_sampler()
         _add_worker_metrics_method()
-        stock = module.DraftModelProposer
-        module.DraftModelProposer = SpecExtendProposer
+        stock = getattr(module, name)
+        setattr(module, name, replacement(stock))
         try:
             original(self, vllm_config, *args, **kwargs)
         finally:
-            module.DraftModelProposer = stock
-        # vLLM switches drafting off for the whole batch when its longest
-        # request does not fit the draft's window; our proposer drafts every
-        # row inside the window (compact positions), so every row drafts.
-        self._input_fits_in_drafter = _every_row_drafts
+            setattr(module, name, stock)
+        if after_init is not None:
+            after_init(self)
 
     setattr(__init__, _PATCHED_MARK, True)
     runner_cls.__init__ = __init__
@@ -362,31 +381,15 @@ def _requests_spec_extend(vllm_config: Any) -> bool:
 
 
 def _wrap_model_runner_v2_init(module: ModuleType) -> None:
-    runner_cls = module.GPUModelRunner
-    original = runner_cls.__init__
-    if getattr(original, _PATCHED_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def __init__(self, vllm_config, *args, **kwargs):
-        if spec_extend_config(vllm_config) is None:
-            return original(self, vllm_config, *args, **kwargs)
+    def speculator_factory(stock: Callable) -> Callable:
         from vllm_specextend.specextend_ar_speculator import SpecExtendARSpeculator
-
-        _add_worker_metrics_method()
-        stock = module.init_speculator
 
         def init_speculator(vllm_config, device, req_states):
             return SpecExtendARSpeculator(vllm_config, device)
 
-        module.init_speculator = init_speculator
-        try:
-            original(self, vllm_config, *args, **kwargs)
-        finally:
-            module.init_speculator = stock
+        return init_speculator
 
-    setattr(__init__, _PATCHED_MARK, True)
-    runner_cls.__init__ = __init__
+    _swap_while_runner_is_built(module, "init_speculator", speculator_factory)
 
 
 def _wrap_worker_memory(module: ModuleType, class_name: str) -> None:

@@ -1,0 +1,241 @@
+"""Batched long-context benchmark: N different passages in one ``LLM.generate``
+call per configuration, against stock vLLM.
+
+Two engines with prefix caching: the target alone, and the target with the
+draft, where stock drafting (``mode: off``), cmr and streaming are switched
+between runs. Each engine prefills every passage once (untimed); the measured
+runs then hit the prefix cache, so they are almost all decode. Per run:
+output tokens/s of the batch over its decode-only steps, mean acceptance
+length, draft / verify / retrieval seconds per decode step, kept fraction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.specextend_bench import (
+    _fmt,
+    config_color,
+    engine_kwargs,
+    load_corpus,
+    machine_info,
+    summarization_prompt,
+)
+from benchmarks.timers import install_timers, read_timers, spec_counters
+
+BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming")
+PASSAGE_STRIDE = 60_000
+"""Characters between the starts of a batch's passages."""
+
+
+@dataclass
+class BatchMeasurement:
+    config: str
+    batch_size: int
+    context_tokens: int
+    output_tokens: int
+    decode_steps: int
+    decode_s: float
+    output_tok_s: float
+    mean_acceptance_length: float | None
+    draft_s_per_step: float | None
+    verify_s_per_step: float | None
+    retrieval_s_per_step: float | None
+    kept_fraction: float | None
+    same_as_target: bool | None = None
+
+
+def _reconfigure(worker, options: dict) -> None:
+    from vllm_specextend.config import SpecExtendConfig
+
+    worker.model_runner.drafter.reconfigure(SpecExtendConfig.from_dict(options))
+
+
+def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
+    steps = t1["steps"] - t0["steps"]
+    step_s = t1["step"] - t0["step"]
+    draft_s = t1["draft"] - t0["draft"]
+    retrieval_s = t1["retrieval"] - t0["retrieval"]
+    drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get("vllm:spec_decode_num_drafts", 0)
+    accepted = (c1.get("vllm:spec_decode_num_accepted_tokens", 0)
+                - c0.get("vllm:spec_decode_num_accepted_tokens", 0))
+    kept = None
+    s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
+    if s1 is not None and s1["context_tokens"] > s0["context_tokens"]:
+        kept = ((s1["kept_tokens"] - s0["kept_tokens"])
+                / (s1["context_tokens"] - s0["context_tokens"]))
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # The first token of each request comes from the (cached) prefill step.
+    decode_tokens = output_tokens - batch_size
+    per_step = (lambda seconds: seconds / steps) if steps else (lambda seconds: None)
+    return BatchMeasurement(
+        config=config,
+        batch_size=batch_size,
+        context_tokens=length,
+        output_tokens=output_tokens,
+        decode_steps=steps,
+        decode_s=step_s,
+        output_tok_s=decode_tokens / step_s if step_s else float("nan"),
+        mean_acceptance_length=1 + accepted / drafts if drafts else None,
+        draft_s_per_step=per_step(draft_s) if drafts else None,
+        verify_s_per_step=per_step(step_s - draft_s) if drafts else None,
+        retrieval_s_per_step=per_step(retrieval_s) if config in ("cmr", "streaming") else None,
+        kept_fraction=kept,
+    )
+
+
+def _engine_runs(args, engine_config: str, configs: list[str],
+                 prompts: dict[int, list[list[int]]], progress) -> tuple[list, dict]:
+    """All runs of one engine; returns measurements and output token ids."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    base = json.loads(args.spec_extend) if args.spec_extend else {}
+    spec_extend = {**base, "mode": "cmr"} if engine_config != "target" else None
+    kwargs = engine_kwargs(args, engine_config, spec_extend) | {
+        "enable_prefix_caching": True,
+        "max_num_seqs": max(args.batch_sizes),
+    }
+    llm = LLM(**kwargs)
+    measurements, token_ids = [], {}
+    try:
+        llm.collective_rpc(install_timers)
+        prefill = SamplingParams(temperature=0.0, max_tokens=1)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        for length, passages in prompts.items():
+            progress.set_postfix_str(f"{engine_config} engine: prefill {length}")
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in passages], prefill,
+                         use_tqdm=False)
+            for batch_size in sorted(args.batch_sizes, reverse=True):
+                batch = [TokensPrompt(prompt_token_ids=p) for p in passages[:batch_size]]
+                for config in configs:
+                    if engine_config != "target":
+                        mode = "off" if config == "draft_model" else config
+                        llm.collective_rpc(_reconfigure, args=({**base, "mode": mode},))
+                    c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+                    outputs = llm.generate(batch, params, use_tqdm=False)
+                    c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+                    m = _measure(config, batch_size, length, outputs, c0, c1, t0, t1)
+                    measurements.append(m)
+                    token_ids[(config, batch_size, length)] = [
+                        list(o.outputs[0].token_ids) for o in outputs]
+                    progress.update(1)
+                    progress.set_postfix_str(
+                        f"{config} b={batch_size} {length}: {m.output_tok_s:.2f} tok/s")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return measurements, token_ids
+
+
+def run_batch(args) -> dict[str, Any]:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    text = load_corpus(args.corpus)
+    prompts = {
+        length: [summarization_prompt(tokenizer, text, length,
+                                      offset=args.offset + i * PASSAGE_STRIDE)
+                 for i in range(max(args.batch_sizes))]
+        for length in args.lengths
+    }
+    configs = [c for c in args.configs if c in BATCH_CONFIGS]
+    engines = [("target", ["target"])] if "target" in configs else []
+    spec_configs = [c for c in configs if c != "target"]
+    if spec_configs:
+        engines.append(("cmr", spec_configs))
+    total = len(configs) * len(args.lengths) * len(args.batch_sizes)
+    measurements: list[BatchMeasurement] = []
+    token_ids: dict = {}
+    with tqdm(total=total, desc="batched benchmark", unit="run") as progress:
+        for engine_config, engine_configs in engines:
+            runs, ids = _engine_runs(args, engine_config, engine_configs, prompts, progress)
+            measurements += runs
+            token_ids.update(ids)
+    for m in measurements:
+        reference = token_ids.get(("target", m.batch_size, m.context_tokens))
+        if reference is not None:
+            m.same_as_target = token_ids[(m.config, m.batch_size, m.context_tokens)] == reference
+    return {
+        "machine": machine_info(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k != "corpus"} | {"corpus": [str(p) for p in args.corpus]},
+        "measurements": [asdict(m) for m in measurements],
+        "_objects": measurements,
+    }
+
+
+def batch_table(measurements: list[BatchMeasurement]) -> str:
+    lines = [
+        "| config | batch | context | output tok/s | vs draft_model | vs target | "
+        "mean acc. len | acc. vs draft_model | draft s/step | verify s/step | "
+        "retrieval s/step | kept % | same as target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
+    for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
+        stock = by_key.get(("draft_model", m.batch_size, m.context_tokens))
+        target = by_key.get(("target", m.batch_size, m.context_tokens))
+        acc = (m.mean_acceptance_length / stock.mean_acceptance_length
+               if stock and m.mean_acceptance_length and stock.mean_acceptance_length else None)
+        same = "-" if m.same_as_target is None else ("yes" if m.same_as_target else "NO")
+        lines.append(
+            f"| {m.config} | {m.batch_size} | {m.context_tokens} | {m.output_tok_s:.2f} | "
+            f"{_fmt(m.output_tok_s / stock.output_tok_s if stock else None)}x | "
+            f"{_fmt(m.output_tok_s / target.output_tok_s if target else None)}x | "
+            f"{_fmt(m.mean_acceptance_length)} | {_fmt(acc)}x | "
+            f"{_fmt(m.draft_s_per_step, '.3f')} | {_fmt(m.verify_s_per_step, '.3f')} | "
+            f"{_fmt(m.retrieval_s_per_step, '.4f')} | "
+            f"{_fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
+            f"{same} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_by_batch_size(points: list[dict], path: Path, title: str, ylabel: str,
+                       linestyle: str = "-") -> None:
+    """``value`` vs batch size, one panel per context length, one colour per
+    configuration (``points``: dicts with config, batch_size, context_tokens, value)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({p["context_tokens"] for p in points})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for config in dict.fromkeys(p["config"] for p in points):
+            rows = sorted((p for p in points
+                           if p["config"] == config and p["context_tokens"] == length),
+                          key=lambda p: p["batch_size"])
+            ax.plot([p["batch_size"] for p in rows], [p["value"] for p in rows], marker="o",
+                    linestyle=linestyle, label=config, color=config_color(config))
+        ax.set_title(f"{length} context tokens")
+        ax.set_xlabel("batch size (requests)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_batch(result: dict[str, Any], out_dir: Path, title: str) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    measurements = result.pop("_objects")
+    table = batch_table(measurements)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "results.md").write_text(
+        f"# {title}\n\nOne `LLM.generate` call per row: the first `batch` passages of the "
+        "length, prefilled once per engine (prefix cache), decode-only timings.\n\n"
+        f"{table}\n")
+    plot_by_batch_size(
+        [asdict(m) | {"value": m.output_tok_s} for m in measurements],
+        out_dir / "results.png", title, "output tokens/s (batch, decode)",
+    )
+    return table

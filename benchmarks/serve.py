@@ -1,0 +1,195 @@
+"""Served benchmark: each configuration behind the OpenAI server (`vllm serve`),
+measured with vLLM's own `vllm bench serve`.
+
+Per configuration one server (prefix caching on); a warm-up pass sends every
+prompt with one output token, so the measured pass (``--max-concurrency N``,
+``--ignore-eos``) finds the prompts in the prefix cache and measures decode
+under concurrency: output tokens/s, TTFT and TPOT (median, p99). Acceptance
+comes from the server's Prometheus counters (``vllm:spec_decode_*``).
+
+    python -m benchmarks --serve --concurrency 8 --lengths 8192
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from benchmarks.batch import plot_by_batch_size
+from benchmarks.specextend_bench import _fmt, load_corpus, machine_info, summarization_prompt
+
+SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming")
+PASSAGE_STRIDE = 60_000
+SERVED_NAME = "target"
+VLLM = str(Path(sys.executable).parent / "vllm")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(args, config: str, port: int, max_len: int) -> list[str]:
+    command = [VLLM, "serve", args.target, "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+               "--max-model-len", str(max_len), "--max-num-seqs", str(args.concurrency),
+               "--enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+               "--kv-cache-memory-bytes", str(args.kv_cache_gib << 30), "--seed", "0"]
+    if args.eager:
+        command.append("--enforce-eager")
+    if args.block_size:
+        command += ["--block-size", str(args.block_size)]
+    if config != "target":
+        command += ["--speculative-config", json.dumps(
+            {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k})]
+    if config in ("cmr", "streaming"):
+        base = json.loads(args.spec_extend) if args.spec_extend else {}
+        command += ["--additional-config",
+                    json.dumps({"spec_extend": {**base, "mode": config}})]
+    return command
+
+
+@contextlib.contextmanager
+def server(command: list[str], port: int, log_path: Path):
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 600
+            while time.time() < deadline:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited early; see {log_path}")
+                with contextlib.suppress(requests.ConnectionError):
+                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(2)
+            else:
+                raise TimeoutError(f"server not healthy in 600 s; see {log_path}")
+            yield base
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def bench_serve(args, port: int, dataset: Path, output_len: int,
+                result_file: Path | None) -> dict[str, Any] | None:
+    command = [VLLM, "bench", "serve", "--backend", "vllm", "--base-url",
+               f"http://127.0.0.1:{port}", "--model", args.target,
+               "--served-model-name", SERVED_NAME, "--dataset-name", "custom",
+               "--dataset-path", str(dataset), "--skip-chat-template",
+               "--num-prompts", str(args.concurrency), "--disable-shuffle",
+               "--custom-output-len", str(output_len), "--ignore-eos",
+               "--max-concurrency", str(args.concurrency),
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    if result_file is not None:
+        command += ["--save-result", "--result-dir", str(result_file.parent),
+                    "--result-filename", result_file.name]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=3600)
+    return json.loads(result_file.read_text()) if result_file is not None else None
+
+
+def spec_decode_counters(base: str) -> dict[str, float]:
+    counters: dict[str, float] = {}
+    for line in requests.get(f"{base}/metrics", timeout=30).text.splitlines():
+        for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+            if line.startswith(name + "_total") or line.startswith(name + "{"):
+                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def run_serve(args) -> dict[str, Any]:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    text = load_corpus(args.corpus)
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    configs = [c for c in args.configs if c in SERVE_CONFIGS]
+    rows = []
+    with tqdm(total=len(configs) * len(args.lengths), desc="served benchmark",
+              unit="run") as progress:
+        for length in args.lengths:
+            dataset = out_dir / f"prompts-{length}.jsonl"
+            with open(dataset, "w") as f:
+                for i in range(args.concurrency):
+                    ids = summarization_prompt(tokenizer, text, length,
+                                               offset=args.offset + i * PASSAGE_STRIDE)
+                    f.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
+            for config in configs:
+                port = _free_port()
+                progress.set_postfix_str(f"{config} {length}: server")
+                command = server_command(args, config, port, length + args.max_tokens + 256)
+                with server(command, port, out_dir / f"server-{config}-{length}.log") as base:
+                    progress.set_postfix_str(f"{config} {length}: prefill")
+                    bench_serve(args, port, dataset, 1, None)
+                    c0 = spec_decode_counters(base)
+                    progress.set_postfix_str(f"{config} {length}: measure")
+                    result = bench_serve(args, port, dataset, args.max_tokens,
+                                         out_dir / f"bench-{config}-{length}.json")
+                    c1 = spec_decode_counters(base)
+                drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get(
+                    "vllm:spec_decode_num_drafts", 0)
+                accepted = c1.get("vllm:spec_decode_num_accepted_tokens", 0) - c0.get(
+                    "vllm:spec_decode_num_accepted_tokens", 0)
+                rows.append({
+                    "config": config, "context_tokens": length,
+                    "batch_size": args.concurrency,
+                    "output_tok_s": result["output_throughput"],
+                    "median_ttft_ms": result["median_ttft_ms"],
+                    "p99_ttft_ms": result["p99_ttft_ms"],
+                    "median_tpot_ms": result["median_tpot_ms"],
+                    "p99_tpot_ms": result["p99_tpot_ms"],
+                    "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                })
+                progress.update(1)
+    return {"machine": machine_info(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                     if k != "corpus"},
+            "measurements": rows}
+
+
+def serve_table(rows: list[dict]) -> str:
+    lines = ["| config | concurrency | context | output tok/s | median TPOT ms | p99 TPOT ms | "
+             "TPOT vs draft_model | median TTFT ms | p99 TTFT ms | mean acc. len |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    stock = {r["context_tokens"]: r for r in rows if r["config"] == "draft_model"}
+    for r in rows:
+        ref = stock.get(r["context_tokens"])
+        lines.append(
+            f"| {r['config']} | {r['batch_size']} | {r['context_tokens']} | "
+            f"{r['output_tok_s']:.2f} | {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | "
+            f"{_fmt(r['median_tpot_ms'] / ref['median_tpot_ms'] if ref else None)}x | "
+            f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
+            f"{_fmt(r['mean_acceptance_length'])} |")
+    return "\n".join(lines)
+
+
+def write_serve(result: dict[str, Any], out_dir: Path, title: str) -> str:
+    rows = result["measurements"]
+    table = serve_table(rows)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "results.md").write_text(
+        f"# {title}\n\n`vllm serve` per configuration, measured with `vllm bench serve` "
+        "(custom dataset of the passages, `--max-concurrency` = number of prompts, "
+        "`--ignore-eos`); the prompts were prefix-cached by a warm-up pass, so TTFT is the "
+        "queueing and last-block recompute, not a full prefill.\n\n"
+        f"{table}\n")
+    plot_by_batch_size([r | {"value": r["output_tok_s"]} for r in rows],
+                       out_dir / "results.png", title, "output tokens/s (served)")
+    return table

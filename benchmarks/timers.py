@@ -1,0 +1,65 @@
+"""Decode-step timers, installed in the engine's worker through collective_rpc."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def install_timers(worker) -> None:
+    """Accumulate wall time of decode steps: the whole runner step, the
+    drafter and retrieval. Steps that prefill any request are left out."""
+    runner = worker.model_runner
+    spec = runner.vllm_config.speculative_config
+    max_decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    timers = {"step": 0.0, "steps": 0, "draft": 0.0, "retrieval": 0.0}
+    runner._bench_timers = timers
+    state = {"decode": False}
+
+    def timed(obj, name, key, starts_step=False):
+        original = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            if starts_step:
+                scheduler_output = args[0] if args else kwargs["scheduler_output"]
+                scheduled = scheduler_output.num_scheduled_tokens
+                state["decode"] = bool(scheduled) and max(scheduled.values()) <= max_decode_tokens
+                timers["steps"] += state["decode"]
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if state["decode"]:
+                    timers[key] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+
+    # Drafting runs in sample_tokens, after execute_model returns.
+    timed(runner, "execute_model", "step", starts_step=True)
+    timed(runner, "sample_tokens", "step")
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "propose"):
+        timed(drafter, "propose", "draft")
+        if hasattr(drafter, "_plan_draft_view"):
+            timed(drafter, "_plan_draft_view", "retrieval")
+
+
+def read_timers(worker) -> dict[str, Any]:
+    runner = worker.model_runner
+    timers = dict(runner._bench_timers)
+    planner = getattr(getattr(runner, "drafter", None), "planner", None)
+    stats = getattr(planner, "stats", None)
+    timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
+    return timers
+
+
+def spec_counters(llm) -> dict[str, float]:
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name in ("vllm:spec_decode_num_drafts",
+                           "vllm:spec_decode_num_accepted_tokens",
+                           "vllm:spec_decode_num_draft_tokens"):
+            counters[metric.name] = metric.value
+    return counters
+
+
