@@ -27,7 +27,11 @@ import requests
 from benchmarks.batch import plot_by_batch_size
 from benchmarks.specextend_bench import _fmt, load_corpus, machine_info, summarization_prompt
 
-SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming")
+SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
+K_BY_BATCH_SIZE = [[1, 2, 4], [3, 1024, 0]]
+"""``cmr_k_by_batch``: cmr with vLLM's own K schedule
+(``num_speculative_tokens_per_batch_size``): K=4 for 1-2 running requests,
+no drafts from 3 on."""
 PASSAGE_STRIDE = 60_000
 SERVED_NAME = "target"
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -50,12 +54,15 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
     if args.block_size:
         command += ["--block-size", str(args.block_size)]
     if config != "target":
-        command += ["--speculative-config", json.dumps(
-            {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k})]
-    if config in ("cmr", "streaming"):
+        speculative = {"method": "draft_model", "model": args.draft,
+                       "num_speculative_tokens": args.k}
+        if config == "cmr_k_by_batch":
+            speculative["num_speculative_tokens_per_batch_size"] = K_BY_BATCH_SIZE
+        command += ["--speculative-config", json.dumps(speculative)]
+    if config in ("cmr", "streaming", "cmr_k_by_batch"):
         base = json.loads(args.spec_extend) if args.spec_extend else {}
-        command += ["--additional-config",
-                    json.dumps({"spec_extend": {**base, "mode": config}})]
+        mode = "streaming" if config == "streaming" else "cmr"
+        command += ["--additional-config", json.dumps({"spec_extend": {**base, "mode": mode}})]
     return command
 
 

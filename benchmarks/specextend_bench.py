@@ -239,7 +239,7 @@ def markdown_table(measurements: list[Measurement]) -> str:
 
 CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:red",
                  "streaming": "tab:green", "draft_model_full": "tab:purple",
-                 "ngram": "tab:brown"}
+                 "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange"}
 
 
 def config_color(config: str) -> str:
