@@ -100,6 +100,9 @@ def bench_serve(args, port: int, dataset: Path, output_len: int,
                "--dataset-path", str(dataset), "--skip-chat-template",
                "--num-prompts", str(args.concurrency), "--disable-shuffle",
                "--custom-output-len", str(output_len), "--ignore-eos",
+               # Greedy, as the offline runs: without it the server samples
+               # with the model's generation_config (e.g. temperature 0.7).
+               "--temperature", "0",
                "--max-concurrency", str(args.concurrency),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     if result_file is not None:
@@ -128,7 +131,6 @@ def run_serve(args) -> dict[str, Any]:
     out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     configs = [c for c in args.configs if c in SERVE_CONFIGS]
-    rows = []
     with tqdm(total=len(configs) * len(args.lengths), desc="served benchmark",
               unit="run") as progress:
         for length in args.lengths:
@@ -154,21 +156,30 @@ def run_serve(args) -> dict[str, Any]:
                     "vllm:spec_decode_num_drafts", 0)
                 accepted = c1.get("vllm:spec_decode_num_accepted_tokens", 0) - c0.get(
                     "vllm:spec_decode_num_accepted_tokens", 0)
-                rows.append({
-                    "config": config, "context_tokens": length,
-                    "batch_size": args.concurrency,
-                    "output_tok_s": result["output_throughput"],
-                    "median_ttft_ms": result["median_ttft_ms"],
-                    "p99_ttft_ms": result["p99_ttft_ms"],
-                    "median_tpot_ms": result["median_tpot_ms"],
-                    "p99_tpot_ms": result["p99_tpot_ms"],
-                    "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-                })
+                acceptance = 1 + accepted / drafts if drafts else None
+                row = served_row(config, length, args.concurrency, result, acceptance)
+                (out_dir / f"row-{config}-{length}.json").write_text(json.dumps(row))
                 progress.update(1)
+    # Rows of earlier runs into the same folder (other configurations) join.
+    order = {c: i for i, c in enumerate(SERVE_CONFIGS)}
+    rows = sorted((json.loads(p.read_text()) for p in out_dir.glob("row-*.json")),
+                  key=lambda r: (r["context_tokens"], order.get(r["config"], 99)))
     return {"machine": machine_info(),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                      if k != "corpus"},
             "measurements": rows}
+
+
+def served_row(config: str, length: int, concurrency: int, result: dict,
+               acceptance: float | None) -> dict:
+    """One table row from a `vllm bench serve` result file."""
+    return {
+        "config": config, "context_tokens": length, "batch_size": concurrency,
+        "output_tok_s": result["output_throughput"],
+        "median_ttft_ms": result["median_ttft_ms"], "p99_ttft_ms": result["p99_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"], "p99_tpot_ms": result["p99_tpot_ms"],
+        "mean_acceptance_length": acceptance,
+    }
 
 
 def serve_table(rows: list[dict]) -> str:
