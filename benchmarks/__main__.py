@@ -1,4 +1,4 @@
-from benchmarks.specextend_bench import main
+from benchmarks.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,14 @@
 """Batched long-context benchmark: N different passages in one ``LLM.generate``
 call per configuration, against stock vLLM.
 
-Two engines with prefix caching: the target alone, and the target with the
-draft, where stock drafting (``mode: off``), cmr and streaming are switched
-between runs. Each engine prefills every passage once (untimed); the measured
-runs then hit the prefix cache, so they are almost all decode. Per run:
-output tokens/s of the batch over its decode-only steps, mean acceptance
-length, draft / verify / retrieval seconds per decode step, kept fraction.
+Engines with prefix caching: the target alone; the target with the draft,
+where stock drafting (``mode: off``), cmr and streaming are switched between
+runs; and, for ``cmr_k_by_batch``, cmr under vLLM's own K-by-batch-size
+schedule (``benchmarks.runs.K_BY_BATCH_SIZE``). Each engine prefills every
+passage once (untimed); the measured runs then hit the prefix cache, so they
+are almost all decode. Per run: output tokens/s of the batch over its
+decode-only steps, mean acceptance length, drafted tokens, draft / verify /
+retrieval seconds per decode step, kept fraction.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.specextend_bench import (
-    _fmt,
-    config_color,
-    engine_kwargs,
-    load_corpus,
-    machine_info,
-    summarization_prompt,
+from benchmarks.corpus import load_corpus
+from benchmarks.machine import machine_info
+from benchmarks.prompts import summarization_prompt
+from benchmarks.report import config_color, fmt, pyplot, save_figure
+from benchmarks.runs import engine_kwargs
+from benchmarks.worker_hooks import (
+    install_timers,
+    read_timers,
+    reconfigure_drafter,
+    spec_counters,
 )
-from benchmarks.timers import install_timers, read_timers, spec_counters
 
-BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming")
+BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
+RETRIEVAL_CONFIGS = ("cmr", "streaming", "cmr_k_by_batch")
+SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming")
+"""Run in one engine, its drafter reconfigured between runs."""
 PASSAGE_STRIDE = 60_000
 """Characters between the starts of a batch's passages."""
 
@@ -41,17 +48,12 @@ class BatchMeasurement:
     decode_s: float
     output_tok_s: float
     mean_acceptance_length: float | None
+    drafted_tokens: int
     draft_s_per_step: float | None
     verify_s_per_step: float | None
     retrieval_s_per_step: float | None
     kept_fraction: float | None
     same_as_target: bool | None = None
-
-
-def _reconfigure(worker, options: dict) -> None:
-    from vllm_specextend.config import SpecExtendConfig
-
-    worker.model_runner.drafter.reconfigure(SpecExtendConfig.from_dict(options))
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -62,6 +64,8 @@ def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasur
     drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get("vllm:spec_decode_num_drafts", 0)
     accepted = (c1.get("vllm:spec_decode_num_accepted_tokens", 0)
                 - c0.get("vllm:spec_decode_num_accepted_tokens", 0))
+    drafted = (c1.get("vllm:spec_decode_num_draft_tokens", 0)
+               - c0.get("vllm:spec_decode_num_draft_tokens", 0))
     kept = None
     s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
     if s1 is not None and s1["context_tokens"] > s0["context_tokens"]:
@@ -80,9 +84,11 @@ def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasur
         decode_s=step_s,
         output_tok_s=decode_tokens / step_s if step_s else float("nan"),
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
-        draft_s_per_step=per_step(draft_s) if drafts else None,
-        verify_s_per_step=per_step(step_s - draft_s) if drafts else None,
-        retrieval_s_per_step=per_step(retrieval_s) if config in ("cmr", "streaming") else None,
+        drafted_tokens=int(drafted),
+        # With K=0 (cmr_k_by_batch) the draft still runs once per step.
+        draft_s_per_step=per_step(draft_s) if draft_s else None,
+        verify_s_per_step=per_step(step_s - draft_s) if draft_s else None,
+        retrieval_s_per_step=per_step(retrieval_s) if config in RETRIEVAL_CONFIGS else None,
         kept_fraction=kept,
     )
 
@@ -111,9 +117,9 @@ def _engine_runs(args, engine_config: str, configs: list[str],
             for batch_size in sorted(args.batch_sizes, reverse=True):
                 batch = [TokensPrompt(prompt_token_ids=p) for p in passages[:batch_size]]
                 for config in configs:
-                    if engine_config != "target":
+                    if engine_config == "cmr":
                         mode = "off" if config == "draft_model" else config
-                        llm.collective_rpc(_reconfigure, args=({**base, "mode": mode},))
+                        llm.collective_rpc(reconfigure_drafter, args=({**base, "mode": mode},))
                     c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     outputs = llm.generate(batch, params, use_tqdm=False)
                     c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
@@ -144,9 +150,11 @@ def run_batch(args) -> dict[str, Any]:
     }
     configs = [c for c in args.configs if c in BATCH_CONFIGS]
     engines = [("target", ["target"])] if "target" in configs else []
-    spec_configs = [c for c in configs if c != "target"]
-    if spec_configs:
-        engines.append(("cmr", spec_configs))
+    switched = [c for c in configs if c in SWITCHED_CONFIGS]
+    if switched:
+        engines.append(("cmr", switched))
+    if "cmr_k_by_batch" in configs:
+        engines.append(("cmr_k_by_batch", ["cmr_k_by_batch"]))
     total = len(configs) * len(args.lengths) * len(args.batch_sizes)
     measurements: list[BatchMeasurement] = []
     token_ids: dict = {}
@@ -171,9 +179,9 @@ def run_batch(args) -> dict[str, Any]:
 def batch_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
-        "mean acc. len | acc. vs draft_model | draft s/step | verify s/step | "
-        "retrieval s/step | kept % | same as target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
+        "verify s/step | retrieval s/step | kept % | same as target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -184,12 +192,13 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         same = "-" if m.same_as_target is None else ("yes" if m.same_as_target else "NO")
         lines.append(
             f"| {m.config} | {m.batch_size} | {m.context_tokens} | {m.output_tok_s:.2f} | "
-            f"{_fmt(m.output_tok_s / stock.output_tok_s if stock else None)}x | "
-            f"{_fmt(m.output_tok_s / target.output_tok_s if target else None)}x | "
-            f"{_fmt(m.mean_acceptance_length)} | {_fmt(acc)}x | "
-            f"{_fmt(m.draft_s_per_step, '.3f')} | {_fmt(m.verify_s_per_step, '.3f')} | "
-            f"{_fmt(m.retrieval_s_per_step, '.4f')} | "
-            f"{_fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
+            f"{fmt(m.output_tok_s / stock.output_tok_s if stock else None)}x | "
+            f"{fmt(m.output_tok_s / target.output_tok_s if target else None)}x | "
+            f"{fmt(m.mean_acceptance_length)} | {fmt(acc)}x | "
+            f"{m.drafted_tokens} / {m.output_tokens} | "
+            f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
+            f"{fmt(m.retrieval_s_per_step, '.4f')} | "
+            f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
             f"{same} |"
         )
     return "\n".join(lines)
@@ -199,11 +208,7 @@ def plot_by_batch_size(points: list[dict], path: Path, title: str, ylabel: str,
                        linestyle: str = "-") -> None:
     """``value`` vs batch size, one panel per context length, one colour per
     configuration (``points``: dicts with config, batch_size, context_tokens, value)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = sorted({p["context_tokens"] for p in points})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
     for ax, length in zip(axes[0], lengths):
@@ -219,10 +224,7 @@ def plot_by_batch_size(points: list[dict], path: Path, title: str, ylabel: str,
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def write_batch(result: dict[str, Any], out_dir: Path, title: str) -> str:

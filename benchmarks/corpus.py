@@ -30,3 +30,11 @@ def text_files(paths: list[Path]) -> list[Path]:
 def novel(name: str) -> str:
     """One novel of the shipped corpus, e.g. ``novel("persuasion")``."""
     return read_text(CORPUS_DIR / f"{name}.txt.gz")
+
+
+def load_corpus(paths: list[Path]) -> str:
+    """The texts of ``paths``, joined."""
+    files = text_files(paths)
+    if not files:
+        raise SystemExit(f"no text files in {paths}")
+    return "\n\n".join(read_text(f) for f in files)

@@ -25,7 +25,8 @@ import struct
 from pathlib import Path
 
 from benchmarks.batch import plot_by_batch_size
-from benchmarks.specextend_bench import RESULTS_DIR, _fmt
+from benchmarks.report import RESULTS_DIR, fmt
+from benchmarks.runs import scheduled_k
 
 H100_SXM_BYTES_PER_S = 3.35e12
 """HBM3 bandwidth of one H100 SXM (NVIDIA's datasheet)."""
@@ -90,10 +91,15 @@ def h100_projection(rows: list[dict], target: dict, draft: dict, k: int,
             draft_context = n
             if config in ("cmr", "streaming") and r["kept_fraction"] is not None:
                 draft_context = n * r["kept_fraction"]
-            if config == "cmr":
+            if config in ("cmr", "cmr_k_by_batch"):
                 # Scoring reads the tapped keys of the context at each retrieval.
                 step_bytes += b * n * target["last_layer_key_bytes_per_token"] / retrieval_interval
-            step_bytes += k * (draft["weight_bytes"] + b * draft_context * draft["kv_bytes_per_token"])
+            passes = k
+            if config == "cmr_k_by_batch":
+                # vLLM's schedule; at K=0 the draft still runs once to fill its KV.
+                passes = scheduled_k(b, k) or 1
+            step_bytes += passes * (draft["weight_bytes"]
+                                    + b * draft_context * draft["kv_bytes_per_token"])
         step_s = step_bytes / H100_SXM_BYTES_PER_S
         projections.append({"config": config, "batch_size": b, "context_tokens": n,
                             "acceptance_length": acceptance, "step_ms": 1e3 * step_s,
@@ -108,7 +114,7 @@ def limits_table(limits: list[dict]) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in limits:
         lines.append(
-            f"| {x['batch_size']} | {x['context_tokens']} | {_fmt(x['target_tok_s'])} | "
+            f"| {x['batch_size']} | {x['context_tokens']} | {fmt(x['target_tok_s'])} | "
             f"{x['stock_tok_s']:.2f} | {x['cmr_tok_s']:.2f} | {x['cmr_limit_tok_s']:.2f} | "
             f"{x['limit_vs_stock']:.2f}x | {100 * x['share_of_limit']:.0f}% | "
             f"{x['draft_s']:.3f} | {x['draft_s_at_working_cache']:.3f} | {x['verify_s']:.3f} |")
@@ -124,7 +130,7 @@ def projection_table(projections: list[dict]) -> str:
         ref = stock.get((p["batch_size"], p["context_tokens"]))
         lines.append(f"| {p['config']} | {p['batch_size']} | {p['context_tokens']} | "
                      f"{p['acceptance_length']:.2f} | {p['step_ms']:.2f} | {p['tok_s']:.0f} | "
-                     f"{_fmt(p['tok_s'] / ref['tok_s'] if ref else None)}x |")
+                     f"{fmt(p['tok_s'] / ref['tok_s'] if ref else None)}x |")
     return "\n".join(lines)
 
 
@@ -160,7 +166,8 @@ def main(argv=None) -> None:
         f"{limits_table(limits)}\n\n"
         "## H100 SXM roofline projection (not a measurement)\n\n"
         "Step time = bytes read / 3.35 TB/s: target weights + batch x context x target KV, "
-        "plus K draft passes of draft weights + batch x (context, or the kept tokens for "
+        "plus K draft passes (for cmr_k_by_batch the K of vLLM's schedule, one pass where it "
+        "is 0) of draft weights + batch x (context, or the kept tokens for "
         "cmr / streaming) x draft KV, plus for cmr the scoring's read of the tapped last-layer "
         "keys every `retrieval_interval` steps. Acceptance lengths are the ones measured on "
         "CPU.\n\n"

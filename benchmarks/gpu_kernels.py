@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.report import RESULTS_DIR, pyplot, save_figure
 from vllm_specextend.config import SpecExtendConfig
 from vllm_specextend.retrieval import rewrite_block_table, select_blocks
 from vllm_specextend.retrieval_planner import PlanningBatch, RetrievalPlanner
@@ -32,7 +33,7 @@ from vllm_specextend.target_tap import TargetAttentionTap
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
 K = 4
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu-kernels"
+RESULTS = RESULTS_DIR / "gpu-kernels"
 
 
 class _Layer:
@@ -209,21 +210,17 @@ def write(result: dict, out_dir: Path) -> str:
 
 def plot(result: dict, path: Path) -> None:
     try:
-        import matplotlib
+        plt = pyplot()
     except ImportError:  # a GPU machine with torch only: plot later with --replot
         print(f"matplotlib missing: run `python -m benchmarks.gpu_kernels --replot {path.parent}`")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     times = result["seconds_per_call"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh(list(times), [1e3 * s for s in times.values()], color="tab:red")
     ax.set_xlabel("ms per call")
     ax.set_title(f"{result['device']}: batch {result['batch']} x {result['context']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -5,7 +5,8 @@ Per configuration one server (prefix caching on); a warm-up pass sends every
 prompt with one output token, so the measured pass (``--max-concurrency N``,
 ``--ignore-eos``) finds the prompts in the prefix cache and measures decode
 under concurrency: output tokens/s, TTFT and TPOT (median, p99). Acceptance
-comes from the server's Prometheus counters (``vllm:spec_decode_*``).
+and drafted tokens are `vllm bench serve`'s reading of the server's
+Prometheus counters (``vllm:spec_decode_*``) around the measured pass.
 
     python -m benchmarks --serve --concurrency 8 --lengths 8192
 """
@@ -25,19 +26,19 @@ from typing import Any
 import requests
 
 from benchmarks.batch import plot_by_batch_size
-from benchmarks.specextend_bench import _fmt, load_corpus, machine_info, summarization_prompt
+from benchmarks.corpus import load_corpus
+from benchmarks.machine import machine_info
+from benchmarks.prompts import summarization_prompt
+from benchmarks.report import fmt
+from benchmarks.runs import K_BY_BATCH_SIZE
 
 SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
-K_BY_BATCH_SIZE = [[1, 2, 4], [3, 1024, 0]]
-"""``cmr_k_by_batch``: cmr with vLLM's own K schedule
-(``num_speculative_tokens_per_batch_size``): K=4 for 1-2 running requests,
-no drafts from 3 on."""
 PASSAGE_STRIDE = 60_000
 SERVED_NAME = "target"
 VLLM = str(Path(sys.executable).parent / "vllm")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -67,23 +68,29 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def server(command: list[str], port: int, log_path: Path):
-    with open(log_path, "w") as log:
+def running_server(command: list[str], port: int, log_path: Path, timeout_s: float = 600,
+           env: dict[str, str] | None = None):
+    """Run ``command`` (a ``vllm serve`` line listening on ``port``) until
+    the block ends; yields its base URL and its open log (stdout + stderr)."""
+    with open(log_path, "w+") as log:
+        # Unbuffered, so the log holds every line the server has written so far.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.time() + 600
+            deadline = time.time() + timeout_s
             while time.time() < deadline:
                 if process.poll() is not None:
-                    raise RuntimeError(f"server exited early; see {log_path}")
+                    log.seek(0)
+                    raise RuntimeError(f"server exited early ({log_path}):\n"
+                                       f"{log.read()[-4000:]}")
                 with contextlib.suppress(requests.ConnectionError):
                     if requests.get(f"{base}/health", timeout=2).status_code == 200:
                         break
-                time.sleep(2)
+                time.sleep(1)
             else:
-                raise TimeoutError(f"server not healthy in 600 s; see {log_path}")
-            yield base
+                raise TimeoutError(f"server not healthy in {timeout_s:.0f} s; see {log_path}")
+            yield base, log
         finally:
             process.terminate()
             try:
@@ -113,15 +120,6 @@ def bench_serve(args, port: int, dataset: Path, output_len: int,
     return json.loads(result_file.read_text()) if result_file is not None else None
 
 
-def spec_decode_counters(base: str) -> dict[str, float]:
-    counters: dict[str, float] = {}
-    for line in requests.get(f"{base}/metrics", timeout=30).text.splitlines():
-        for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
-            if line.startswith(name + "_total") or line.startswith(name + "{"):
-                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters
-
-
 def run_serve(args) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -141,23 +139,17 @@ def run_serve(args) -> dict[str, Any]:
                                                offset=args.offset + i * PASSAGE_STRIDE)
                     f.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
             for config in configs:
-                port = _free_port()
+                port = free_port()
                 progress.set_postfix_str(f"{config} {length}: server")
                 command = server_command(args, config, port, length + args.max_tokens + 256)
-                with server(command, port, out_dir / f"server-{config}-{length}.log") as base:
+                log_path = out_dir / f"server-{config}-{length}.log"
+                with running_server(command, port, log_path):
                     progress.set_postfix_str(f"{config} {length}: prefill")
                     bench_serve(args, port, dataset, 1, None)
-                    c0 = spec_decode_counters(base)
                     progress.set_postfix_str(f"{config} {length}: measure")
                     result = bench_serve(args, port, dataset, args.max_tokens,
                                          out_dir / f"bench-{config}-{length}.json")
-                    c1 = spec_decode_counters(base)
-                drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get(
-                    "vllm:spec_decode_num_drafts", 0)
-                accepted = c1.get("vllm:spec_decode_num_accepted_tokens", 0) - c0.get(
-                    "vllm:spec_decode_num_accepted_tokens", 0)
-                acceptance = 1 + accepted / drafts if drafts else None
-                row = served_row(config, length, args.concurrency, result, acceptance)
+                row = served_row(config, length, args.concurrency, result)
                 (out_dir / f"row-{config}-{length}.json").write_text(json.dumps(row))
                 progress.update(1)
     # Rows of earlier runs into the same folder (other configurations) join.
@@ -170,31 +162,36 @@ def run_serve(args) -> dict[str, Any]:
             "measurements": rows}
 
 
-def served_row(config: str, length: int, concurrency: int, result: dict,
-               acceptance: float | None) -> dict:
-    """One table row from a `vllm bench serve` result file."""
+def served_row(config: str, length: int, concurrency: int, result: dict) -> dict:
+    """One table row from a `vllm bench serve` result file (its spec_decode_*
+    figures are the server's Prometheus counters around the measured pass)."""
     return {
         "config": config, "context_tokens": length, "batch_size": concurrency,
         "output_tok_s": result["output_throughput"],
         "median_ttft_ms": result["median_ttft_ms"], "p99_ttft_ms": result["p99_ttft_ms"],
         "median_tpot_ms": result["median_tpot_ms"], "p99_tpot_ms": result["p99_tpot_ms"],
-        "mean_acceptance_length": acceptance,
+        "mean_acceptance_length": result.get("spec_decode_acceptance_length"),
+        "drafted_tokens": result.get("spec_decode_draft_tokens"),
+        "output_tokens": result["total_output_tokens"],
+        "date": result.get("date"),
     }
 
 
 def serve_table(rows: list[dict]) -> str:
     lines = ["| config | concurrency | context | output tok/s | median TPOT ms | p99 TPOT ms | "
-             "TPOT vs draft_model | median TTFT ms | p99 TTFT ms | mean acc. len |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TPOT vs draft_model | median TTFT ms | p99 TTFT ms | mean acc. len | "
+             "drafted / output tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     stock = {r["context_tokens"]: r for r in rows if r["config"] == "draft_model"}
     for r in rows:
         ref = stock.get(r["context_tokens"])
         lines.append(
             f"| {r['config']} | {r['batch_size']} | {r['context_tokens']} | "
             f"{r['output_tok_s']:.2f} | {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | "
-            f"{_fmt(r['median_tpot_ms'] / ref['median_tpot_ms'] if ref else None)}x | "
+            f"{fmt(r['median_tpot_ms'] / ref['median_tpot_ms'] if ref else None)}x | "
             f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
-            f"{_fmt(r['mean_acceptance_length'])} |")
+            f"{fmt(r['mean_acceptance_length'])} | "
+            f"{fmt(r['drafted_tokens'], 'd')} / {r['output_tokens']} |")
     return "\n".join(lines)
 
 
@@ -206,7 +203,9 @@ def write_serve(result: dict[str, Any], out_dir: Path, title: str) -> str:
         f"# {title}\n\n`vllm serve` per configuration, measured with `vllm bench serve` "
         "(custom dataset of the passages, `--max-concurrency` = number of prompts, "
         "`--ignore-eos`); the prompts were prefix-cached by a warm-up pass, so TTFT is the "
-        "queueing and last-block recompute, not a full prefill.\n\n"
+        "queueing and last-block recompute, not a full prefill. Configurations run "
+        "separately into the same folder join the table; each row's date is in "
+        "results.json.\n\n"
         f"{table}\n")
     plot_by_batch_size([r | {"value": r["output_tok_s"]} for r in rows],
                        out_dir / "results.png", title, "output tokens/s (served)")

@@ -9,7 +9,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from benchmarks.serve import free_port, running_server
 from tests.engine_utils import corpus_prompts
 
 pytestmark = pytest.mark.engine
@@ -28,12 +28,6 @@ SERVE = [str(Path(sys.executable).parent / "vllm"), "serve"]
 SMALL_CACHE = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
                "min_context_tokens": 256}
 MAX_TOKENS = 32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_args(target, draft=None, spec_extend=None, port=0) -> list[str]:
@@ -53,33 +47,10 @@ def serve_args(target, draft=None, spec_extend=None, port=0) -> list[str]:
 @contextlib.contextmanager
 def server(target, draft=None, spec_extend=None):
     port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"specextend-serve-{port}.log", "w+")
-    # Unbuffered, so the log holds every line the server has written so far.
-    process = subprocess.Popen(serve_args(target, draft, spec_extend, port),
-                               stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                    "VLLM_LOG_STATS_INTERVAL": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited early:\n{log.read()[-4000:]}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise TimeoutError("server did not become healthy in 240 s")
-        yield base, log
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"specextend-serve-{port}.log"
+    with running_server(serve_args(target, draft, spec_extend, port), port, log_path,
+                        timeout_s=240, env={"VLLM_LOG_STATS_INTERVAL": "1"}) as running:
+        yield running
 
 
 def completion(base, prompt_ids, stream=False, abort_after=None):

@@ -1,9 +1,14 @@
-"""Decode-step timers, installed in the engine's worker through collective_rpc."""
+"""What the benchmarks run inside the engine's worker through collective_rpc:
+decode-step timers and switching the drafter's options between runs."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
+
+# collective_rpc ships these functions to the worker by pickling them.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def install_timers(worker) -> None:
@@ -51,6 +56,13 @@ def read_timers(worker) -> dict[str, Any]:
     stats = getattr(planner, "stats", None)
     timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
     return timers
+
+
+def reconfigure_drafter(worker, options: dict) -> None:
+    """Swap the SpecExtend drafter's options (``mode: off`` drafts as stock)."""
+    from vllm_specextend.config import SpecExtendConfig
+
+    worker.model_runner.drafter.reconfigure(SpecExtendConfig.from_dict(options))
 
 
 def spec_counters(llm) -> dict[str, float]:

@@ -1,0 +1,139 @@
+"""Command line of the benchmarks against stock vLLM on the real models.
+
+    python -m benchmarks                                 # single requests (runs.py)
+    python -m benchmarks --batch-sizes 1 4 8             # batches (batch.py)
+    python -m benchmarks --serve --concurrency 8         # vllm serve (serve.py)
+    python -m benchmarks --sweep | --needle              # sweep.py, needle.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from benchmarks.corpus import CORPUS_DIR
+from benchmarks.machine import fast_dtype, machine_info
+from benchmarks.needle import run_needle, write_needle
+from benchmarks.report import RESULTS_DIR
+from benchmarks.runs import markdown_table, run_benchmark, write_results
+from benchmarks.sweep import run_sweep
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
+                        help="local path, hub id, or a short name from benchmarks.real_models")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--heterogeneous-vocab", action="store_true",
+                        help="draft with its own tokenizer (use_heterogeneous_vocab)")
+    parser.add_argument("--corpus", type=Path, nargs="+", default=[CORPUS_DIR])
+    parser.add_argument("--offset", type=int, default=100_000,
+                        help="character offset of the passages in the corpus")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-window", type=int, default=None,
+                        help="cap the draft's window (speculative_config max_model_len) in "
+                             "every draft configuration but draft_model_full")
+    parser.add_argument("--configs", nargs="+",
+                        default=["target", "draft_model", "cmr", "streaming"],
+                        help="target, draft_model, cmr, streaming; batched and served modes "
+                             "also cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
+                             "requests also draft_model_full, ngram")
+    parser.add_argument("--spec-extend", default=None,
+                        help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
+    parser.add_argument("--dtype", default="auto",
+                        help="model dtype; auto: bfloat16 where this CPU has fast bf16 "
+                             "matmuls (AVX-512 BF16/AMX, or a GPU), else float32")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--kv-cache-gib", type=int, default=3)
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="enforce_eager (torch.compile start-up is slow on 2 cores)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="run the option sweep (defaults: 4K and 8K) instead")
+    parser.add_argument("--sweep-points", default=None,
+                        help="JSON list of option dicts to sweep instead of the built-in "
+                             "points, each applied on top of --spec-extend")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="batched mode: N passages per LLM.generate call for each N "
+                             "(benchmarks/batch.py), e.g. --batch-sizes 1 4 8")
+    parser.add_argument("--serve", action="store_true",
+                        help="served mode: vllm serve per configuration, measured with "
+                             "vllm bench serve (benchmarks/serve.py)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="served mode: prompts and --max-concurrency")
+    parser.add_argument("--needle", action="store_true",
+                        help="run the needle-retrieval benchmark instead")
+    parser.add_argument("--needle-length", type=int, default=4096)
+    parser.add_argument("--needle-tokens", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default=None,
+                        help="results folder under benchmarks/results "
+                             "(default: main, sweep, needle, batch or serve)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from benchmarks.real_models import resolve_model
+
+    args.target = resolve_model(args.target)
+    args.draft = resolve_model(args.draft)
+    if args.dtype == "auto":
+        args.dtype = fast_dtype()
+    # Slow CPUs can spend minutes on one long prefill step; vLLM's default
+    # step timeout (300 s) would kill the engine.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+    name = args.name or ("sweep" if args.sweep else "needle" if args.needle
+                         else "batch" if args.batch_sizes else "serve" if args.serve
+                         else "main")
+    out_dir = args.out or RESULTS_DIR / name
+    machine = machine_info()
+    window = f" (window {args.draft_window})" if args.draft_window else ""
+    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}{window}, {args.dtype}, "
+             f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
+             f"({machine['cpu_model']}, {machine['cpu_capability']}"
+             f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")
+    if args.sweep:
+        if args.lengths == parse_args([]).lengths:
+            args.lengths = [4096, 8192]
+        result = run_sweep(args)
+        objects = result.pop("_objects")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table = markdown_table(objects)
+        (out_dir / "sweep.json").write_text(json.dumps(result, indent=2))
+        (out_dir / "sweep.md").write_text(
+            f"# Option sweep (cmr)\n\n{title}; one engine with prefix caching "
+            "(each prompt prefilled once), options swapped between runs. Each row applies "
+            f"its options on top of the package defaults (and `--spec-extend` "
+            f"{json.dumps(result['base_options'])}); the `draft_model` row is cmr keeping "
+            "every chunk, whose drafting is identical to stock draft_model (tested).\n\n"
+            f"{table}\n")
+        print(table)
+        return
+    if args.serve:
+        from benchmarks.serve import run_serve, write_serve
+
+        args.out = out_dir
+        print(write_serve(run_serve(args), out_dir, title))
+        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+        return
+    if args.batch_sizes:
+        from benchmarks.batch import run_batch, write_batch
+
+        print(write_batch(run_batch(args), out_dir, title))
+        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+        return
+    if args.needle:
+        print(write_needle(run_needle(args), out_dir))
+        print(f"\nresults: {out_dir}/needle.{{json,md,png}}")
+        return
+    table = write_results(run_benchmark(args), out_dir, title)
+    print(table)
+    print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

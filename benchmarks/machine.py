@@ -1,0 +1,63 @@
+"""What a result was measured on, and the model dtype that is fast there."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def fast_dtype() -> str:
+    """bfloat16 where its matmuls are fast, else float32.
+
+    vLLM's CPU linear layers use oneDNN, which has no bf16 matmul on CPUs
+    without AVX-512 (BF16) or AMX; there vLLM falls back to a torch bf16
+    matmul about 7x slower than oneDNN float32 (measured on a 2-core AVX2 EPYC).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    from vllm import _custom_ops as ops
+
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16), 32)
+    except (AttributeError, RuntimeError):
+        return "float32"
+    return "bfloat16"
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and which of the bf16 instruction sets it has."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    return name, [f for f in BF16_CPU_FLAGS if f in flags]
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    name, bf16_flags = cpu_model()
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": name,
+        "cpu_bf16_flags": bf16_flags,
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm.__version__,
+        "cuda": torch.cuda.is_available(),
+    }

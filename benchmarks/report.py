@@ -1,0 +1,40 @@
+"""Shared by every benchmark report: the results folder, number formatting,
+one colour per configuration in every figure, and figure saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def fmt(value, spec=".2f"):
+    return "-" if value is None else format(value, spec)
+
+
+CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:red",
+                 "streaming": "tab:green", "draft_model_full": "tab:purple",
+                 "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange"}
+
+
+def config_color(config: str) -> str:
+    """One colour per configuration, the same in every figure."""
+    return CONFIG_COLORS.get(config, "tab:olive")
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> None:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
