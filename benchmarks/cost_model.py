@@ -1,17 +1,20 @@
 """Step-cost model of the batched benchmark (``benchmarks/results/batch``).
 
-Decode throughput is ``batch x acceptance length / step time``, with a step =
-target verification + K draft passes + retrieval. From the measured
-components this writes, next to the batch results:
+Decode throughput is ``tokens per step / step time``, with a step = target
+verification + K draft passes + retrieval. Tokens per step are measured (the
+batch's decode tokens over its decode steps): ``batch x acceptance length``
+would overstate them, because a batch runs until its slowest request is done
+and its last steps carry fewer requests. From the measured components this
+writes, next to the batch results:
 
 - the CPU limit of cmr: its throughput if its draft step cost what the draft
   step costs at 1K context (about its working cache: sink 32 + 512 retrieved +
   256 recent tokens + the query), with cmr's measured verification, retrieval
-  and acceptance; its speedup over stock at that limit, and the share of the
-  limit cmr reaches;
+  and tokens per step; its speedup over stock at that limit, and the share of
+  the limit cmr reaches;
 - a roofline projection of the same grid to one H100 SXM: each step reads the
   weights and the KV cache it attends to from HBM at 3.35 TB/s (decode at
-  these batch sizes is bandwidth-bound), with the acceptance lengths measured
+  these batch sizes is bandwidth-bound), with the tokens per step measured
   here (greedy, same models). A projection, not a measurement.
 
     python -m benchmarks.cost_model [--results benchmarks/results/batch]
@@ -34,6 +37,12 @@ WORKING_CACHE_TOKENS = 32 + 512 + 256 + 8
 """cmr's default working cache: sink + retrieved + recent + query (K=4)."""
 LIMIT_CONTEXT = 1024
 """The measured context whose draft step stands for a working-cache draft."""
+
+
+def tokens_per_step(row: dict) -> float:
+    """Decode tokens per decode step of a measured run (its first token of
+    each request comes from the untimed prefill step)."""
+    return (row["output_tokens"] - row["batch_size"]) / row["decode_steps"]
 
 
 def model_bytes(model_dir: Path) -> dict[str, float]:
@@ -64,7 +73,7 @@ def cpu_limits(rows: list[dict]) -> list[dict]:
         if not short or not stock or r["mean_acceptance_length"] is None:
             continue
         step = r["verify_s_per_step"] + short["draft_s_per_step"] + (r["retrieval_s_per_step"] or 0)
-        limit = b * r["mean_acceptance_length"] / step
+        limit = tokens_per_step(r) / step
         limits.append({
             "batch_size": b, "context_tokens": n,
             "cmr_tok_s": r["output_tok_s"], "stock_tok_s": stock["output_tok_s"],
@@ -102,8 +111,9 @@ def h100_projection(rows: list[dict], target: dict, draft: dict, k: int,
                                     + b * draft_context * draft["kv_bytes_per_token"])
         step_s = step_bytes / H100_SXM_BYTES_PER_S
         projections.append({"config": config, "batch_size": b, "context_tokens": n,
-                            "acceptance_length": acceptance, "step_ms": 1e3 * step_s,
-                            "tok_s": b * acceptance / step_s})
+                            "acceptance_length": acceptance,
+                            "tokens_per_step": tokens_per_step(r), "step_ms": 1e3 * step_s,
+                            "tok_s": tokens_per_step(r) / step_s})
     return projections
 
 
@@ -122,14 +132,16 @@ def limits_table(limits: list[dict]) -> str:
 
 
 def projection_table(projections: list[dict]) -> str:
-    lines = ["| config | batch | context | acceptance length | step ms | tok/s | vs draft_model |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | batch | context | acceptance length | tokens per step | step ms | tok/s | "
+             "vs draft_model |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     stock = {(p["batch_size"], p["context_tokens"]): p for p in projections
              if p["config"] == "draft_model"}
     for p in sorted(projections, key=lambda p: (p["context_tokens"], p["batch_size"])):
         ref = stock.get((p["batch_size"], p["context_tokens"]))
         lines.append(f"| {p['config']} | {p['batch_size']} | {p['context_tokens']} | "
-                     f"{p['acceptance_length']:.2f} | {p['step_ms']:.2f} | {p['tok_s']:.0f} | "
+                     f"{p['acceptance_length']:.2f} | {p['tokens_per_step']:.2f} | "
+                     f"{p['step_ms']:.2f} | {p['tok_s']:.0f} | "
                      f"{fmt(p['tok_s'] / ref['tok_s'] if ref else None)}x |")
     return "\n".join(lines)
 
@@ -154,7 +166,8 @@ def main(argv=None) -> None:
          "cpu_limits": limits, "h100_projection": projections}, indent=2))
     text = (
         "# Step-cost model\n\n"
-        f"From `{args.results.name}/results.json` ({result['machine']['processor']}, "
+        f"From `{args.results.name}/results.json` "
+        f"({result['machine'].get('cpu_model', result['machine']['processor'])}, "
         f"{result['machine']['cpu_count']} cores). Weights: target "
         f"{target['weight_bytes'] / 1e9:.2f} GB, draft {draft['weight_bytes'] / 1e9:.2f} GB; "
         f"KV per token: target {target['kv_bytes_per_token']} B, draft "
@@ -162,21 +175,22 @@ def main(argv=None) -> None:
         "## CPU limit of cmr (measured components)\n\n"
         f"cmr with its draft step at the cost measured at {LIMIT_CONTEXT} context (about its "
         f"{WORKING_CACHE_TOKENS}-token working cache), its own verification, retrieval and "
-        "acceptance.\n\n"
+        "tokens per step (decode tokens over decode steps; batch x acceptance would overstate "
+        "them, since a batch runs until its slowest request is done).\n\n"
         f"{limits_table(limits)}\n\n"
         "## H100 SXM roofline projection (not a measurement)\n\n"
         "Step time = bytes read / 3.35 TB/s: target weights + batch x context x target KV, "
         "plus K draft passes (for cmr_k_by_batch the K of vLLM's schedule, one pass where it "
         "is 0) of draft weights + batch x (context, or the kept tokens for "
         "cmr / streaming) x draft KV, plus for cmr the scoring's read of the tapped last-layer "
-        "keys every `retrieval_interval` steps. Acceptance lengths are the ones measured on "
+        "keys every `retrieval_interval` steps. Tokens per step are the ones measured on "
         "CPU.\n\n"
         f"{projection_table(projections)}\n"
     )
     (args.results / "cost_model.md").write_text(text)
     plot_by_batch_size(
         [p | {"value": p["tok_s"]} for p in projections], args.results / "cost_model.png",
-        "Roofline projection to one H100 SXM from measured acceptance (not measured)",
+        "Roofline projection to one H100 SXM from measured tokens per step (not measured)",
         "projected output tokens/s", linestyle="--",
     )
     print(text)
