@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import config_color, fmt, pyplot, save_figure
+from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
 from benchmarks.runs import engine_kwargs
 from benchmarks.worker_hooks import (
     install_timers,
@@ -169,8 +169,7 @@ def run_batch(args) -> dict[str, Any]:
             m.same_as_target = token_ids[(m.config, m.batch_size, m.context_tokens)] == reference
     return {
         "machine": machine_info(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                 if k != "corpus"} | {"corpus": [str(p) for p in args.corpus]},
+        "args": args_record(args),
         "measurements": [asdict(m) for m in measurements],
         "_objects": measurements,
     }

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from benchmarks.corpus import CORPUS_DIR
 from benchmarks.machine import fast_dtype, machine_info
 from benchmarks.needle import run_needle, write_needle
 from benchmarks.report import RESULTS_DIR
-from benchmarks.runs import markdown_table, run_benchmark, write_results
-from benchmarks.sweep import run_sweep
+from benchmarks.runs import run_benchmark, write_results
+from benchmarks.sweep import run_sweep, write_sweep
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,19 +98,8 @@ def main(argv=None) -> None:
     if args.sweep:
         if args.lengths == parse_args([]).lengths:
             args.lengths = [4096, 8192]
-        result = run_sweep(args)
-        objects = result.pop("_objects")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        table = markdown_table(objects)
-        (out_dir / "sweep.json").write_text(json.dumps(result, indent=2))
-        (out_dir / "sweep.md").write_text(
-            f"# Option sweep (cmr)\n\n{title}; one engine with prefix caching "
-            "(each prompt prefilled once), options swapped between runs. Each row applies "
-            f"its options on top of the package defaults (and `--spec-extend` "
-            f"{json.dumps(result['base_options'])}); the `draft_model` row is cmr keeping "
-            "every chunk, whose drafting is identical to stock draft_model (tested).\n\n"
-            f"{table}\n")
-        print(table)
+        print(write_sweep(run_sweep(args), out_dir, title))
+        print(f"\nresults: {out_dir}/sweep.{{json,md}}")
         return
     if args.serve:
         from benchmarks.serve import run_serve, write_serve

@@ -8,6 +8,16 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def args_record(args) -> dict:
+    """A run's command-line arguments as JSON values (paths as strings)."""
+    def plain(value):
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return {k: plain(v) for k, v in vars(args).items()}
+
+
 def fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 

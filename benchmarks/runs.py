@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import config_color, fmt, pyplot, save_figure
+from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
 from benchmarks.worker_hooks import install_timers, read_timers, spec_counters
 
 # The configurations of a run, by name: spec_extend options (None: no
@@ -203,8 +203,7 @@ def run_benchmark(args) -> dict[str, Any]:
     add_agreement(measurements)
     return {
         "machine": machine_info(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                 if k != "corpus"} | {"corpus": [str(p) for p in args.corpus]},
+        "args": args_record(args),
         "configs": configs,
         "measurements": [asdict(m) for m in measurements],
         "_objects": measurements,

@@ -29,7 +29,7 @@ from benchmarks.batch import plot_by_batch_size
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import fmt
+from benchmarks.report import args_record, fmt
 from benchmarks.runs import K_BY_BATCH_SIZE
 
 SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
@@ -69,7 +69,7 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
 
 @contextlib.contextmanager
 def running_server(command: list[str], port: int, log_path: Path, timeout_s: float = 600,
-           env: dict[str, str] | None = None):
+                   env: dict[str, str] | None = None):
     """Run ``command`` (a ``vllm serve`` line listening on ``port``) until
     the block ends; yields its base URL and its open log (stdout + stderr)."""
     with open(log_path, "w+") as log:
@@ -157,8 +157,7 @@ def run_serve(args) -> dict[str, Any]:
     rows = sorted((json.loads(p.read_text()) for p in out_dir.glob("row-*.json")),
                   key=lambda r: (r["context_tokens"], order.get(r["config"], 99)))
     return {"machine": machine_info(),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                     if k != "corpus"},
+            "args": args_record(args),
             "measurements": rows}
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.runs import Measurement, engine_kwargs, measurement_from
+from benchmarks.runs import Measurement, engine_kwargs, markdown_table, measurement_from
 from benchmarks.worker_hooks import (
     install_timers,
     read_timers,
@@ -85,3 +86,18 @@ def run_sweep(args) -> dict[str, Any]:
         "measurements": [asdict(m) for m in measurements],
         "_objects": measurements,
     }
+
+
+def write_sweep(result: dict[str, Any], out_dir: Path, title: str) -> str:
+    objects = result.pop("_objects")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(objects)
+    (out_dir / "sweep.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "sweep.md").write_text(
+        f"# Option sweep (cmr)\n\n{title}; one engine with prefix caching "
+        "(each prompt prefilled once), options swapped between runs. Each row applies "
+        f"its options on top of the package defaults (and `--spec-extend` "
+        f"{json.dumps(result['base_options'])}); the `draft_model` row is cmr keeping "
+        "every chunk, whose drafting is identical to stock draft_model (tested).\n\n"
+        f"{table}\n")
+    return table

@@ -84,3 +84,19 @@ def test_cost_model_reads_the_batched_results(batch_results):
     assert len(model["h100_projection"]) == len(CONFIGS) * len(BATCH_SIZES) * len(LENGTHS)
     assert "projection (not a measurement)" in (batch_results / "cost_model.md").read_text()
     assert (batch_results / "cost_model.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_sweep_switches_options_inside_one_engine(target_model, draft_model, tmp_path):
+    points = [{"top_k_chunks": 100_000, "min_context_tokens": 0}, {"top_k_chunks": 2}]
+    run_module("benchmarks", "--sweep", "--target", str(target_model), "--draft",
+               str(draft_model), "--lengths", "2048", "--max-tokens", "16", "--dtype", "float32",
+               "--kv-cache-gib", "1", "--sweep-points", json.dumps(points), "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "sweep.json").read_text())["measurements"]
+    kept = {r["config"]: r["kept_fraction"] for r in rows}
+    # The first point keeps every chunk (labelled as the stock reference); the
+    # second keeps sink + 2 chunks + the recent window of the same context.
+    assert set(kept) == {"draft_model", "top_k_chunks=2"}
+    assert kept["draft_model"] == pytest.approx(1.0)
+    assert kept["top_k_chunks=2"] < 0.5
+    assert all(r["mean_acceptance_length"] > 1.0 for r in rows)
+    assert "| top_k_chunks=2 | 2048 |" in (tmp_path / "sweep.md").read_text()
