@@ -1,6 +1,7 @@
-"""The main job's command lines end to end, on the tiny models: the batched
-grid (``python -m benchmarks --batch-sizes ...``) and its step-cost model
-(``python -m benchmarks.cost_model``), as ``scripts/run_benchmark.sh`` runs them."""
+"""The benchmarks' command lines end to end, on the tiny models: the main
+job's batched grid (``python -m benchmarks --batch-sizes ...``) and its
+step-cost model (``python -m benchmarks.cost_model``), as
+``scripts/run_benchmark.sh`` runs them, and the option sweep."""
 
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ def batch_results(target_model, draft_model, tmp_path_factory):
     run_module("benchmarks", "--target", str(target_model), "--draft", str(draft_model),
                "--batch-sizes", *map(str, BATCH_SIZES), "--lengths", *map(str, LENGTHS),
                "--configs", *CONFIGS, "--max-tokens", str(MAX_TOKENS), "--dtype", "float32",
-               "--kv-cache-gib", "1",
-               "--out", str(out))
+               "--kv-cache-gib", "1", "--out", str(out))
     return out
 
 
