@@ -27,6 +27,7 @@ from benchmarks.worker_hooks import (
     install_timers,
     read_timers,
     reconfigure_drafter,
+    run_deltas,
     spec_counters,
 )
 
@@ -57,23 +58,14 @@ class BatchMeasurement:
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
-    steps = t1["steps"] - t0["steps"]
-    step_s = t1["step"] - t0["step"]
-    draft_s = t1["draft"] - t0["draft"]
-    retrieval_s = t1["retrieval"] - t0["retrieval"]
-    drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get("vllm:spec_decode_num_drafts", 0)
-    accepted = (c1.get("vllm:spec_decode_num_accepted_tokens", 0)
-                - c0.get("vllm:spec_decode_num_accepted_tokens", 0))
-    drafted = (c1.get("vllm:spec_decode_num_draft_tokens", 0)
-               - c0.get("vllm:spec_decode_num_draft_tokens", 0))
+    run = run_deltas(c0, c1, t0, t1)
     kept = None
-    s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
-    if s1 is not None and s1["context_tokens"] > s0["context_tokens"]:
-        kept = ((s1["kept_tokens"] - s0["kept_tokens"])
-                / (s1["context_tokens"] - s0["context_tokens"]))
+    if run.context_tokens:
+        kept = run.kept_tokens / run.context_tokens
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     # The first token of each request comes from the (cached) prefill step.
     decode_tokens = output_tokens - batch_size
+    steps = run.steps
     per_step = (lambda seconds: seconds / steps) if steps else (lambda seconds: None)
     return BatchMeasurement(
         config=config,
@@ -81,14 +73,15 @@ def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasur
         context_tokens=length,
         output_tokens=output_tokens,
         decode_steps=steps,
-        decode_s=step_s,
-        output_tok_s=decode_tokens / step_s if step_s else float("nan"),
-        mean_acceptance_length=1 + accepted / drafts if drafts else None,
-        drafted_tokens=int(drafted),
+        decode_s=run.step_s,
+        output_tok_s=decode_tokens / run.step_s if run.step_s else float("nan"),
+        mean_acceptance_length=run.mean_acceptance_length,
+        drafted_tokens=int(run.drafted_tokens),
         # With K=0 (cmr_k_by_batch) the draft still runs once per step.
-        draft_s_per_step=per_step(draft_s) if draft_s else None,
-        verify_s_per_step=per_step(step_s - draft_s) if draft_s else None,
-        retrieval_s_per_step=per_step(retrieval_s) if config in RETRIEVAL_CONFIGS else None,
+        draft_s_per_step=per_step(run.draft_s) if run.draft_s else None,
+        verify_s_per_step=per_step(run.step_s - run.draft_s) if run.draft_s else None,
+        retrieval_s_per_step=(per_step(run.retrieval_s) if config in RETRIEVAL_CONFIGS
+                              else None),
         kept_fraction=kept,
     )
 

@@ -23,7 +23,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
-from benchmarks.worker_hooks import install_timers, read_timers, spec_counters
+from benchmarks.worker_hooks import install_timers, read_timers, run_deltas, spec_counters
 
 # The configurations of a run, by name: spec_extend options (None: no
 # retrieval) and whether the draft model is used.
@@ -130,19 +130,13 @@ def measurement_from(config, length, output, c0, c1, t0, t1) -> Measurement:
     prefill_s = metrics.first_token_ts - metrics.scheduled_ts
     decode_s = metrics.last_token_ts - metrics.first_token_ts
     decode_tokens = len(generated) - 1
-    drafts = c1.get("vllm:spec_decode_num_drafts", 0) - c0.get("vllm:spec_decode_num_drafts", 0)
-    accepted = (c1.get("vllm:spec_decode_num_accepted_tokens", 0)
-                - c0.get("vllm:spec_decode_num_accepted_tokens", 0))
-    steps = t1["steps"] - t0["steps"]
-    step_s = t1["step"] - t0["step"]
-    draft_s = t1["draft"] - t0["draft"]
-    retrieval_s = t1["retrieval"] - t0["retrieval"]
+    run = run_deltas(c0, c1, t0, t1)
+    steps, step_s = run.steps, run.step_s
+    has_stats = run.context_tokens is not None
     kept = None
-    s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
-    if s1 is not None:
-        context = s1["context_tokens"] - s0["context_tokens"]
-        kept = (s1["kept_tokens"] - s0["kept_tokens"]) / context if context else 1.0
-    has_draft = drafts > 0
+    if has_stats:
+        kept = run.kept_tokens / run.context_tokens if run.context_tokens else 1.0
+    has_draft = run.drafts > 0
     return Measurement(
         config=config,
         context_tokens=length,
@@ -150,11 +144,12 @@ def measurement_from(config, length, output, c0, c1, t0, t1) -> Measurement:
         decode_tokens=decode_tokens,
         decode_s=decode_s,
         decode_tok_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-        mean_acceptance_length=1 + accepted / drafts if has_draft else None,
-        draft_s_per_step=draft_s / steps if has_draft and steps else None,
-        verify_s_per_step=(step_s - draft_s) / steps if has_draft and steps else None,
-        retrieval_s_per_step=retrieval_s / steps if s1 is not None and steps else None,
-        retrieval_overhead_pct=100 * retrieval_s / step_s if s1 is not None and step_s else None,
+        mean_acceptance_length=run.mean_acceptance_length,
+        draft_s_per_step=run.draft_s / steps if has_draft and steps else None,
+        verify_s_per_step=(step_s - run.draft_s) / steps if has_draft and steps else None,
+        retrieval_s_per_step=run.retrieval_s / steps if has_stats and steps else None,
+        retrieval_overhead_pct=(100 * run.retrieval_s / step_s if has_stats and step_s
+                                else None),
         kept_fraction=kept,
         token_ids=generated,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 # collective_rpc ships these functions to the worker by pickling them.
@@ -75,3 +76,41 @@ def spec_counters(llm) -> dict[str, float]:
     return counters
 
 
+@dataclass
+class RunDeltas:
+    """What one measured run added to the engine's spec-decode counters
+    (``spec_counters``) and to the worker's timers (``read_timers``)."""
+
+    drafts: float
+    accepted_tokens: float
+    drafted_tokens: float
+    steps: int
+    step_s: float
+    draft_s: float
+    retrieval_s: float
+    kept_tokens: int | None
+    """``kept_tokens`` / ``context_tokens``: retrieval's view of the run
+    (None without a SpecExtend drafter)."""
+    context_tokens: int | None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+
+def run_deltas(c0: dict, c1: dict, t0: dict, t1: dict) -> RunDeltas:
+    def counter(name: str) -> float:
+        return c1.get(f"vllm:spec_decode_{name}", 0) - c0.get(f"vllm:spec_decode_{name}", 0)
+
+    s0, s1 = t0["retrieval_stats"], t1["retrieval_stats"]
+    return RunDeltas(
+        drafts=counter("num_drafts"),
+        accepted_tokens=counter("num_accepted_tokens"),
+        drafted_tokens=counter("num_draft_tokens"),
+        steps=t1["steps"] - t0["steps"],
+        step_s=t1["step"] - t0["step"],
+        draft_s=t1["draft"] - t0["draft"],
+        retrieval_s=t1["retrieval"] - t0["retrieval"],
+        kept_tokens=None if s1 is None else s1["kept_tokens"] - s0["kept_tokens"],
+        context_tokens=None if s1 is None else s1["context_tokens"] - s0["context_tokens"],
+    )
