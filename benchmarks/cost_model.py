@@ -17,7 +17,11 @@ writes, next to the batch results:
   these batch sizes is bandwidth-bound), with the tokens per step measured
   here (greedy, same models). A projection, not a measurement.
 
-    python -m benchmarks.cost_model [--results benchmarks/results/batch]
+    python -m benchmarks.cost_model [--results benchmarks/results/batch [MORE ...]]
+
+Several folders are read as one grid (same models, K and CPU; e.g. a 1K run
+added to a batch size measured at 4K and 8K); the model is written into the
+first.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ WORKING_CACHE_TOKENS = 32 + 512 + 256 + 8
 """cmr's default working cache: sink + retrieved + recent + query (K=4)."""
 LIMIT_CONTEXT = 1024
 """The measured context whose draft step stands for a working-cache draft."""
+
+
+NO_LIMIT_ROWS = (f"No limit: it needs cmr measured at {LIMIT_CONTEXT} context at the same batch "
+                 "size (pass that run's folder too).")
 
 
 def tokens_per_step(row: dict) -> float:
@@ -146,27 +154,42 @@ def projection_table(projections: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_grid(folders: list[Path]) -> tuple[dict, list[dict]]:
+    """The first folder's results and the rows of all of them, which must
+    come from the same models, K, dtype and CPU."""
+    results = [json.loads((folder / "results.json").read_text()) for folder in folders]
+    first = results[0]
+    for folder, result in zip(folders[1:], results[1:]):
+        for section, key in [("args", "target"), ("args", "draft"), ("args", "k"),
+                             ("args", "dtype"), ("machine", "cpu_model")]:
+            if result[section].get(key) != first[section].get(key):
+                raise SystemExit(f"{folder}: {key} {result[section].get(key)!r} differs from "
+                                 f"{folders[0]}'s {first[section].get(key)!r}")
+    return first, [row for result in results for row in result["measurements"]]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR / "batch")
+    parser.add_argument("--results", type=Path, nargs="+", default=[RESULTS_DIR / "batch"],
+                        help="results folders of one grid; the model goes into the first")
     args = parser.parse_args(argv)
     from benchmarks.real_models import resolve_model
 
-    result = json.loads((args.results / "results.json").read_text())
-    rows = result["measurements"]
+    result, rows = read_grid(args.results)
     run_args = result["args"]
+    out_dir = args.results[0]
     target = model_bytes(Path(resolve_model(run_args["target"])))
     draft = model_bytes(Path(resolve_model(run_args["draft"])))
     limits = cpu_limits(rows)
     spec_extend = json.loads(run_args.get("spec_extend") or "{}")
     projections = h100_projection(rows, target, draft, run_args["k"],
                                   spec_extend.get("retrieval_interval", 4))
-    (args.results / "cost_model.json").write_text(json.dumps(
+    (out_dir / "cost_model.json").write_text(json.dumps(
         {"target": target, "draft": draft, "h100_bytes_per_s": H100_SXM_BYTES_PER_S,
          "cpu_limits": limits, "h100_projection": projections}, indent=2))
     text = (
         "# Step-cost model\n\n"
-        f"From `{args.results.name}/results.json` "
+        f"From {', '.join(f'`{folder.name}/results.json`' for folder in args.results)} "
         f"({result['machine'].get('cpu_model', result['machine']['processor'])}, "
         f"{result['machine']['cpu_count']} cores). Weights: target "
         f"{target['weight_bytes'] / 1e9:.2f} GB, draft {draft['weight_bytes'] / 1e9:.2f} GB; "
@@ -177,7 +200,7 @@ def main(argv=None) -> None:
         f"{WORKING_CACHE_TOKENS}-token working cache), its own verification, retrieval and "
         "tokens per step (decode tokens over decode steps; batch x acceptance would overstate "
         "them, since a batch runs until its slowest request is done).\n\n"
-        f"{limits_table(limits)}\n\n"
+        f"{limits_table(limits) if limits else NO_LIMIT_ROWS}\n\n"
         "## H100 SXM roofline projection (not a measurement)\n\n"
         "Step time = bytes read / 3.35 TB/s: target weights + batch x context x target KV, "
         "plus K draft passes (for cmr_k_by_batch the K of vLLM's schedule, one pass where it "
@@ -187,9 +210,9 @@ def main(argv=None) -> None:
         "CPU.\n\n"
         f"{projection_table(projections)}\n"
     )
-    (args.results / "cost_model.md").write_text(text)
+    (out_dir / "cost_model.md").write_text(text)
     plot_by_batch_size(
-        [p | {"value": p["tok_s"]} for p in projections], args.results / "cost_model.png",
+        [p | {"value": p["tok_s"]} for p in projections], out_dir / "cost_model.png",
         "Roofline projection to one H100 SXM from measured tokens per step (not measured)",
         "projected output tokens/s", linestyle="--",
     )

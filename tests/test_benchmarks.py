@@ -86,6 +86,32 @@ def test_cost_model_reads_the_batched_results(batch_results):
     assert (batch_results / "cost_model.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_cost_model_joins_the_folders_of_one_grid(batch_results, tmp_path):
+    # A 1K run added later in its own folder completes the CPU limits of the
+    # longer contexts; a folder from other models or K is refused.
+    result = json.loads((batch_results / "results.json").read_text())
+    for name, is_short in [("long", False), ("short", True)]:
+        (tmp_path / name).mkdir()
+        rows = [r for r in result["measurements"] if (r["context_tokens"] == 1024) == is_short]
+        (tmp_path / name / "results.json").write_text(json.dumps(result | {"measurements": rows}))
+    run_module("benchmarks.cost_model", "--results", str(tmp_path / "long"))
+    assert json.loads((tmp_path / "long" / "cost_model.json").read_text())["cpu_limits"] == []
+    assert "No limit" in (tmp_path / "long" / "cost_model.md").read_text()
+
+    run_module("benchmarks.cost_model", "--results", str(batch_results))
+    run_module("benchmarks.cost_model", "--results", str(tmp_path / "long"), str(tmp_path / "short"))
+    joined = json.loads((tmp_path / "long" / "cost_model.json").read_text())
+    whole = json.loads((batch_results / "cost_model.json").read_text())
+    assert joined["cpu_limits"] == whole["cpu_limits"] != []
+
+    other_k = result | {"args": result["args"] | {"k": result["args"]["k"] + 1}}
+    (tmp_path / "short" / "results.json").write_text(json.dumps(other_k))
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.cost_model", "--results",
+                              str(tmp_path / "long"), str(tmp_path / "short")],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "k 5 differs" in refused.stderr
+
+
 def test_sweep_switches_options_inside_one_engine(target_model, draft_model, tmp_path):
     points = [{"top_k_chunks": 100_000, "min_context_tokens": 0}, {"top_k_chunks": 2}]
     run_module("benchmarks", "--sweep", "--target", str(target_model), "--draft",
