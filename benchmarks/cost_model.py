@@ -19,9 +19,9 @@ writes, next to the batch results:
 
     python -m benchmarks.cost_model [--results benchmarks/results/batch [MORE ...]]
 
-Several folders are read as one grid (same models, K and CPU; e.g. a 1K run
-added to a batch size measured at 4K and 8K); the model is written into the
-first.
+Several folders are read as one grid (same models, K, options and CPU; e.g.
+a 1K run added to a batch size measured at 4K and 8K); the model is written
+into the first.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ WORKING_CACHE_TOKENS = 32 + 512 + 256 + 8
 """cmr's default working cache: sink + retrieved + recent + query (K=4)."""
 LIMIT_CONTEXT = 1024
 """The measured context whose draft step stands for a working-cache draft."""
-
-
 NO_LIMIT_ROWS = (f"No limit: it needs cmr measured at {LIMIT_CONTEXT} context at the same batch "
                  "size (pass that run's folder too).")
 
@@ -156,12 +154,13 @@ def projection_table(projections: list[dict]) -> str:
 
 def read_grid(folders: list[Path]) -> tuple[dict, list[dict]]:
     """The first folder's results and the rows of all of them, which must
-    come from the same models, K, dtype and CPU."""
+    come from the same models, K, dtype, spec_extend options and CPU."""
     results = [json.loads((folder / "results.json").read_text()) for folder in folders]
     first = results[0]
     for folder, result in zip(folders[1:], results[1:]):
         for section, key in [("args", "target"), ("args", "draft"), ("args", "k"),
-                             ("args", "dtype"), ("machine", "cpu_model")]:
+                             ("args", "dtype"), ("args", "spec_extend"),
+                             ("machine", "cpu_model")]:
             if result[section].get(key) != first[section].get(key):
                 raise SystemExit(f"{folder}: {key} {result[section].get(key)!r} differs from "
                                  f"{folders[0]}'s {first[section].get(key)!r}")
