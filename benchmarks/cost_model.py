@@ -154,7 +154,8 @@ def projection_table(projections: list[dict]) -> str:
 
 def read_grid(folders: list[Path]) -> tuple[dict, list[dict]]:
     """The first folder's results and the rows of all of them, which must
-    come from the same models, K, dtype, spec_extend options and CPU."""
+    come from the same models, K, dtype, spec_extend options and CPU, each
+    grid point measured once."""
     results = [json.loads((folder / "results.json").read_text()) for folder in folders]
     first = results[0]
     for folder, result in zip(folders[1:], results[1:]):
@@ -164,7 +165,12 @@ def read_grid(folders: list[Path]) -> tuple[dict, list[dict]]:
             if result[section].get(key) != first[section].get(key):
                 raise SystemExit(f"{folder}: {key} {result[section].get(key)!r} differs from "
                                  f"{folders[0]}'s {first[section].get(key)!r}")
-    return first, [row for result in results for row in result["measurements"]]
+    rows = [row for result in results for row in result["measurements"]]
+    keys = [(r["config"], r["batch_size"], r["context_tokens"]) for r in rows]
+    if len(set(keys)) < len(keys):
+        raise SystemExit(f"{', '.join(map(str, folders))}: a configuration, batch size and "
+                         "context measured more than once")
+    return first, rows
 
 
 def main(argv=None) -> None:

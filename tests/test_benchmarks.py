@@ -88,7 +88,8 @@ def test_cost_model_reads_the_batched_results(batch_results):
 
 def test_cost_model_joins_the_folders_of_one_grid(batch_results, tmp_path):
     # A 1K run added later in its own folder completes the CPU limits of the
-    # longer contexts; a folder from other models or K is refused.
+    # longer contexts; a folder from other models or K, or a grid point
+    # measured twice, is refused.
     result = json.loads((batch_results / "results.json").read_text())
     for name, is_short in [("long", False), ("short", True)]:
         (tmp_path / name).mkdir()
@@ -104,12 +105,17 @@ def test_cost_model_joins_the_folders_of_one_grid(batch_results, tmp_path):
     whole = json.loads((batch_results / "cost_model.json").read_text())
     assert joined["cpu_limits"] == whole["cpu_limits"] != []
 
+    def refusal(*folders: str) -> str:
+        run = subprocess.run([sys.executable, "-m", "benchmarks.cost_model", "--results",
+                              *folders], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode != 0
+        return run.stderr
+
+    assert "measured more than once" in refusal(str(tmp_path / "long"), str(tmp_path / "long"))
     other_k = result | {"args": result["args"] | {"k": result["args"]["k"] + 1}}
     (tmp_path / "short" / "results.json").write_text(json.dumps(other_k))
-    refused = subprocess.run([sys.executable, "-m", "benchmarks.cost_model", "--results",
-                              str(tmp_path / "long"), str(tmp_path / "short")],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "k 5 differs" in refused.stderr
+    assert "k 5 differs" in refusal(str(tmp_path / "long"), str(tmp_path / "short"))
 
 
 def test_sweep_switches_options_inside_one_engine(target_model, draft_model, tmp_path):
