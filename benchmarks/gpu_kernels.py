@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from benchmarks.report import RESULTS_DIR, pyplot, save_figure
-from vllm_specextend.config import SpecExtendConfig
-from vllm_specextend.retrieval import rewrite_block_table, select_blocks
-from vllm_specextend.retrieval_planner import PlanningBatch, RetrievalPlanner
-from vllm_specextend.scoring import chunk_attention_sums
-from vllm_specextend.target_tap import TargetAttentionTap
+from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.selection import rewrite_block_table, select_blocks
+from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
+from vllm_specextend.core.scoring import chunk_attention_sums
+from vllm_specextend.core.target_tap import TargetAttentionTap
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
@@ -174,7 +174,7 @@ def run(args) -> dict:
 
 
 def workspace_cpu(batch: int):
-    from vllm_specextend.scoring import ScoringWorkspace
+    from vllm_specextend.core.scoring import ScoringWorkspace
 
     return ScoringWorkspace.allocate(HEADS, KV_HEADS, HEAD_DIM, batch, K + 1, torch.bfloat16,
                                      torch.device("cpu"))

@@ -53,17 +53,24 @@ def install_timers(worker) -> None:
 def read_timers(worker) -> dict[str, Any]:
     runner = worker.model_runner
     timers = dict(runner._bench_timers)
-    planner = getattr(getattr(runner, "drafter", None), "planner", None)
-    stats = getattr(planner, "stats", None)
-    timers["retrieval_stats"] = stats.as_dict() if stats is not None else None
+    retrieval = _retrieval(runner)
+    timers["retrieval_stats"] = (
+        retrieval.planner.stats.as_dict() if retrieval is not None else None
+    )
     return timers
 
 
 def reconfigure_drafter(worker, options: dict) -> None:
     """Swap the SpecExtend drafter's options (``mode: off`` drafts as stock)."""
-    from vllm_specextend.config import SpecExtendConfig
+    from vllm_specextend.core.options import SpecExtendConfig
 
-    worker.model_runner.drafter.reconfigure(SpecExtendConfig.from_dict(options))
+    _retrieval(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
+
+
+def _retrieval(runner):
+    """The drafter's ``DraftRetrieval`` (V1 ``drafter`` or MRV2 ``speculator``)."""
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    return getattr(drafter, "retrieval", None)
 
 
 def spec_counters(llm) -> dict[str, float]:

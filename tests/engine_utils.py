@@ -11,6 +11,12 @@ from typing import Any
 
 # Test-only: lets collective_rpc ship our inspection functions to the worker.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# Engine cores run inside the test process: an engine starts in ~2-6 s instead
+# of ~12-17 s (no process spawn, no second import of vLLM). Tests that need
+# vLLM's default multiprocessing engine core ask for it (``engine(...,
+# multiprocessing=True)``); the servers of test_serve and the tensor-parallel
+# workers always run in processes of their own.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = dict(
     enforce_eager=True,
@@ -23,6 +29,12 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = dict(
     disable_log_stats=False,
     seed=0,
 )
+
+
+SMALL_CACHE: dict[str, Any] = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 64,
+                               "min_context_tokens": 256}
+"""A working cache of sink 32 + 2 chunks of 32 + recent 64 tokens (+ query and
+lookahead blocks), retrieving from 256 tokens of context on."""
 
 
 @dataclass
@@ -64,10 +76,13 @@ def spec_decode_counters(llm) -> dict[str, Any]:
 @contextlib.contextmanager
 def engine(target: Path, draft: Path | None = None, k: int = 3,
            spec_extend: dict | None = None, draft_window: int | None = None,
-           speculative_config_extra: dict | None = None, **overrides):
+           speculative_config_extra: dict | None = None, multiprocessing: bool = False,
+           **overrides):
     """An ``LLM``; ``draft_window`` caps the draft's window (speculative
     ``max_model_len``), which makes SpecExtend draft at compact positions;
-    ``speculative_config_extra`` adds other speculative options."""
+    ``speculative_config_extra`` adds other speculative options;
+    ``multiprocessing`` runs the engine core in a process of its own."""
+    import vllm.envs
     from vllm import LLM
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **overrides}
@@ -82,13 +97,36 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
         kwargs["speculative_config"].update(speculative_config_extra or {})
     if spec_extend is not None:
         kwargs["additional_config"] = {"spec_extend": spec_extend}
-    llm = LLM(model=str(target), **kwargs)
+    # An in-process engine core caches vLLM's environment variables once it
+    # has started; every engine reads the current environment, as a process
+    # of its own would.
+    vllm.envs.disable_envs_cache()
+    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else
+                      os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]):
+        llm = LLM(model=str(target), **kwargs)
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
+        # vLLM freezes the heap after an engine starts (gc.freeze); in one
+        # process, unfreeze so the engines that follow can collect this one.
+        gc.unfreeze()
         gc.collect()
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_engine(
@@ -104,23 +142,100 @@ def run_engine(
 ) -> EngineRun:
     """Greedy outputs of ``prompts``, generated ``repeat`` times in one engine
     (the later passes hit the prefix cache when it is on)."""
-    from vllm import SamplingParams, TokensPrompt
-
     with engine(target, draft, k, spec_extend, draft_window, **overrides) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        token_ids = []
-        for _ in range(repeat):
-            outputs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                use_tqdm=False,
-            )
-            token_ids += [list(o.outputs[0].token_ids) for o in outputs]
-            if len(token_ids) == len(outputs):
-                request_spec_decode = [o.outputs[0].spec_decode_metrics for o in outputs]
-        counters = spec_decode_counters(llm) if draft is not None else {}
-        retrieval = retrieval_metrics(llm)
-        num_kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    return EngineRun(token_ids, counters, retrieval, request_spec_decode, num_kv_blocks)
+        return collect_run(llm, prompts, max_tokens, repeat)
+
+
+def collect_run(llm, prompts: list[list[int]], max_tokens: int, repeat: int = 1) -> EngineRun:
+    """One run in a live engine; its figures are the engine's totals so far."""
+    token_ids = []
+    for _ in range(repeat):
+        outputs = generate_greedy(llm, prompts, max_tokens)
+        token_ids += [list(o.outputs[0].token_ids) for o in outputs]
+        if len(token_ids) == len(outputs):
+            request_spec_decode = [o.outputs[0].spec_decode_metrics for o in outputs]
+    has_draft = llm.llm_engine.vllm_config.speculative_config is not None
+    return EngineRun(
+        token_ids,
+        spec_decode_counters(llm) if has_draft else {},
+        retrieval_metrics(llm),
+        request_spec_decode,
+        llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+    )
+
+
+def generate_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    from vllm import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                        greedy(max_tokens), use_tqdm=False)
+
+
+def counter_deltas(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's spec-decode counters of one run in a live engine (per-position
+    counters are lists)."""
+    return {
+        name: [a - b for a, b in zip(value, before[name])] if isinstance(value, list)
+        else value - before[name]
+        for name, value in after.items()
+    }
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+class TargetAloneReference:
+    """Greedy outputs of the target alone, for a whole test run.
+
+    One engine per target model (``DEFAULT_ENGINE_KWARGS``, its engine core in
+    a process of its own), started on first
+    use and kept (the ``max_live_engines`` most recently used), with outputs
+    memoised per prompt: a longer generation answers a shorter request, since
+    greedy decoding of a prompt is one sequence. Call it before starting the
+    engine under test: starting an engine resets vLLM's Prometheus metrics.
+    """
+
+    def __init__(self, max_live_engines: int = 3) -> None:
+        self.max_live_engines = max_live_engines
+        self._engines: dict[str, contextlib.ExitStack] = {}
+        self._llms: dict[str, Any] = {}
+        self._memo: dict[str, dict[tuple[int, ...], list[int]]] = {}
+        self.engine_starts = 0
+
+    def __call__(self, target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        memo = self._memo.setdefault(str(target), {})
+        missing = list({tuple(p): None for p in prompts
+                        if len(memo.get(tuple(p), ())) < max_tokens})
+        if missing:
+            outputs = generate_greedy(self._llm(target), missing, max_tokens)
+            for prompt, output in zip(missing, outputs):
+                memo[prompt] = list(output.outputs[0].token_ids)
+        return [memo[tuple(p)][:max_tokens] for p in prompts]
+
+    def _llm(self, target: Path):
+        key = str(target)
+        if key not in self._llms:
+            while len(self._llms) >= self.max_live_engines:
+                self._close(next(iter(self._llms)))
+            stack = contextlib.ExitStack()
+            # A process of its own: in-process engines that start and stop
+            # meanwhile set up and tear down the process's distributed state.
+            self._llms[key] = stack.enter_context(engine(target, multiprocessing=True))
+            self._engines[key] = stack
+            self.engine_starts += 1
+        self._llms[key] = self._llms.pop(key)  # most recently used last
+        return self._llms[key]
+
+    def _close(self, key: str) -> None:
+        self._llms.pop(key)
+        self._engines.pop(key).close()
+
+    def close(self) -> None:
+        for key in list(self._llms):
+            self._close(key)
 
 
 def corpus_prompts(tokenizer_dir: Path, lengths: list[int], offset: int = 0) -> list[list[int]]:

@@ -13,6 +13,8 @@ import pytest
 
 from tests.tiny_models import REPO_ROOT
 
+pytestmark = pytest.mark.engine
+
 LENGTHS = (1024, 2048)
 BATCH_SIZES = (1, 3)
 CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")

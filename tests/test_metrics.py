@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_specextend.metrics import SpecExtendCollector
-from vllm_specextend.stats import RetrievalStats
+from vllm_specextend.core.counters import RetrievalStats
 
 
 def stats_after_two_requests() -> RetrievalStats:

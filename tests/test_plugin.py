@@ -8,7 +8,7 @@ import pytest
 
 import vllm_specextend
 from vllm_specextend import UnsupportedVllmVersionError, check_vllm_version
-from vllm_specextend.vllm_seam import when_imported
+from vllm_specextend.post_import import when_imported
 
 
 def test_entry_point_is_discovered_by_vllms_plugin_loader():
@@ -87,3 +87,46 @@ def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkey
     when_imported("specextend_probe_mod", lambda m: seen.append(2))
     assert seen == [1, 2]
     assert isinstance(sys.modules["specextend_probe_mod"], types.ModuleType)
+
+
+def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypatch):
+    from tests.retrieval.test_engine_options import engine_config
+    from vllm_specextend import patches
+
+    ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
+    stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
+    calls = []
+    resolve = patches.resolve_setup
+    monkeypatch.setattr(patches, "resolve_setup", lambda config: calls.append(config)
+                        or resolve(config))
+    engine = types.SimpleNamespace(vllm_config=ours)
+    setup = patches.engine_setup(engine)
+    assert patches.engine_setup(engine) is setup and len(calls) == 1
+    assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
+    assert setup.steps_in_flight == ours.max_concurrent_batches
+    assert patches.engine_setup(stock) is None and patches.engine_setup(stock) is None
+    assert len(calls) == 2
+
+
+def test_wrap_once_wraps_methods_and_properties_once():
+    from vllm_specextend.patches import wrap_once
+
+    class Stock:
+        def method(self):
+            return 1
+
+        @property
+        def value(self):
+            return 10
+
+    def add_one(original):
+        def wrapper(self):
+            return original(self) + 1
+
+        return wrapper
+
+    for _ in range(2):
+        wrap_once(Stock, "method", add_one)
+        wrap_once(Stock, "value", add_one)
+    assert Stock().method() == 2 and Stock().value == 11
+    assert Stock.method.__wrapped__(Stock()) == 1

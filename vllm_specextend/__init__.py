@@ -7,8 +7,9 @@ engine is built with ``additional_config={"spec_extend": {...}}``.
 
 from __future__ import annotations
 
-import logging
 import os
+
+from vllm_specextend.log import plugin_logger
 
 __version__ = "0.1.0"
 
@@ -16,18 +17,6 @@ SUPPORTED_VLLM_VERSION = "0.32"
 """vLLM release series this package is built and tested against."""
 
 SKIP_VERSION_CHECK_ENV = "VLLM_SPECEXTEND_SKIP_VERSION_CHECK"
-
-
-def plugin_logger(module_name: str):
-    """A logger under vLLM's ``vllm`` namespace, so vLLM's logging
-    configuration (handlers, level, format) applies to our messages too.
-    Without vLLM (the pure-torch layer on a machine that has only torch) a
-    standard logger of the same name."""
-    try:
-        from vllm.logger import init_logger
-    except ImportError:
-        return logging.getLogger(f"vllm.plugins.{module_name}")
-    return init_logger(f"vllm.plugins.{module_name}")
 
 
 logger = plugin_logger(__name__)
@@ -60,14 +49,14 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_specextend import vllm_seam
+    from vllm_specextend import patches
 
     try:
         check_vllm_version()
     except UnsupportedVllmVersionError as error:
         if os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
             logger.error("SpecExtend is not activated: %s", error)
-            vllm_seam.install_version_guard(str(error))
+            patches.install_version_guard(str(error))
             return
         logger.warning("%s; going on because %s=1", error, SKIP_VERSION_CHECK_ENV)
-    vllm_seam.install()
+    patches.install()

@@ -40,13 +40,13 @@ _HISTOGRAMS = {
 def worker_metrics(worker: Any) -> dict[str, Any] | None:
     """``Worker.spec_extend_metrics``: the drafter's figures, if it retrieves
     (``drafter`` in vLLM's V1 runner, ``speculator`` in Model Runner V2)."""
-    from vllm_specextend.retrieval_planner import RetrievalPlanner
+    from vllm_specextend.retrieval.owner import DraftRetrieval
 
     runner = getattr(worker, "model_runner", None)
     for name in ("drafter", "speculator"):
-        planner = getattr(getattr(runner, name, None), "planner", None)
-        if isinstance(planner, RetrievalPlanner):
-            return planner.metrics_snapshot()
+        retrieval = getattr(getattr(runner, name, None), "retrieval", None)
+        if isinstance(retrieval, DraftRetrieval):
+            return retrieval.metrics_snapshot()
     return None
 
 

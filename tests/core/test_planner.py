@@ -1,0 +1,160 @@
+"""The shared per-step planner: which rows are planned as decodes, and what
+the draft's view of their KV cache is (no engine)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.selection import rewrite_block_table
+from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner, decode_rows
+
+K = 4
+BLOCK_SIZE = 16
+
+
+def planning_batch(req_ids, query_lens, context_lens, prompt_lens, max_blocks=256):
+    query_lens, context_lens = np.array(query_lens), np.array(context_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+    num_reqs = len(req_ids)
+    return PlanningBatch(
+        req_ids=list(req_ids),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(context_lens + query_lens, dtype=torch.int32),
+        # Request i owns blocks i * max_blocks, i * max_blocks + 1, ...
+        block_table=torch.arange(num_reqs * max_blocks, dtype=torch.int32).view(num_reqs, -1),
+        last_token_indices=torch.tensor(query_start_loc[1:] - 1),
+        positions=torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]),
+        query_lens_cpu=query_lens,
+        context_lens_cpu=context_lens,
+        prompt_lens_cpu=np.array(prompt_lens),
+    )
+
+
+def streaming_planner(**options) -> RetrievalPlanner:
+    config = SpecExtendConfig(mode="streaming", min_context_tokens=1024, sink_tokens=16,
+                              recent_tokens=64, chunk_size=32, top_k_chunks=2, **options)
+    planner = RetrievalPlanner(config, max_num_reqs=8, max_model_len=4096,
+                               max_num_speculative_tokens=K, draft_window=4096,
+                               compact_positions=False, device=torch.device("cpu"))
+    planner.bind_kv_cache(tap=None, block_size=BLOCK_SIZE)
+    return planner
+
+
+# Rows: decode at full K; decode at a reduced K (dynamic K); the last prompt
+# chunk of 3 <= K + 1 tokens; a first prompt chunk; a preempted request
+# recomputing its output (context past the prompt, long query).
+ROWS = dict(
+    req_ids=["full_k", "reduced_k", "last_chunk", "first_chunk", "recompute"],
+    query_lens=[K + 1, 2, 3, 512, 64],
+    context_lens=[3000, 3000, 2997, 0, 2500],
+    prompt_lens=[1000, 1000, 3000, 3000, 2000],
+)
+
+
+def test_decode_rows_by_prompt_progress_and_the_configured_k():
+    decodes = decode_rows(np.array(ROWS["query_lens"]), np.array(ROWS["context_lens"]),
+                          np.array(ROWS["prompt_lens"]), K)
+    assert decodes.tolist() == [True, True, False, False, False]
+    # (The rule "query <= this step's K + 1" takes the last prompt chunk for
+    # a decode, and, when the proposal's K drops to 1, rows still verifying
+    # K drafts for prefills.)
+
+
+def test_only_long_decode_rows_are_compacted_and_tracked():
+    planner = streaming_planner()
+    batch = planning_batch(**ROWS)
+    view = planner.plan(batch)
+    assert view is not None
+    assert (view.removed_tokens[:2] > 0).all()
+    assert view.removed_tokens[2:].tolist() == [0, 0, 0]
+    assert torch.equal(view.block_table[2:], batch.block_table[2:])
+    assert sorted(planner._requests) == ["full_k", "reduced_k"]
+    # Streaming keeps the sink block, the 2 most recent whole chunks before
+    # the recent window (from block (3000 - 64) // 16 = 183 on) and the
+    # window itself: the pure rewrite of that selection is what the draft gets.
+    keep = torch.zeros_like(batch.block_table, dtype=torch.bool)
+    keep[:, 0] = True
+    keep[:, 178:182] = True
+    keep[:, 183:] = True
+    keep[2:] = True
+    expected_table, expected_removed = rewrite_block_table(batch.block_table, keep, BLOCK_SIZE)
+    assert torch.equal(view.block_table, expected_table)
+    assert torch.equal(view.removed_tokens, expected_removed)
+
+
+def test_a_step_with_reduced_k_keeps_the_request_and_its_selection():
+    planner = streaming_planner(retrieval_interval=4)
+    first = planner.plan(planning_batch(["a"], [K + 1], [3000], [1000]))
+    # The next step verified fewer drafts (K dropped to 1 for this batch).
+    second = planner.plan(planning_batch(["a"], [2], [3003], [1000]))
+    assert first is not None and second is not None
+    assert planner._requests["a"].retrievals == 1  # the selection is reused
+    assert second.removed_tokens[0] == first.removed_tokens[0]
+
+
+def test_short_contexts_and_prefills_leave_the_view_stock():
+    planner = streaming_planner()
+    assert planner.plan(planning_batch(["short", "chunk"], [K + 1, 3], [500, 2997],
+                                       [400, 3000])) is None
+    assert planner._requests == {}
+
+
+def to_device(batch: PlanningBatch, device) -> PlanningBatch:
+    moved = {name: getattr(batch, name).to(device)
+             for name in ("query_start_loc", "seq_lens", "block_table", "last_token_indices",
+                          "positions")}
+    return PlanningBatch(**{**batch.__dict__, **moved})
+
+
+@pytest.mark.parametrize("options", [
+    {"mode": "cmr"},
+    {"mode": "cmr", "score_aggregation": "accepted_tokens"},
+    {"mode": "streaming", "draft_window": 1024},  # compact positions, windowed prefill
+])
+def test_planning_never_reads_the_device_from_the_host(options, monkeypatch):
+    # On the meta device every host read (.item(), .tolist(), .cpu(), bool(),
+    # a mask index) raises; torch.tensor(list, device=...) is refused below.
+    # Planning must work from device tensors plus the host's numpy arrays.
+    from vllm_specextend.core.target_tap import TargetAttentionTap
+
+    meta = torch.device("meta")
+    options = dict(options)
+    draft_window = options.pop("draft_window", 4096)
+    config = SpecExtendConfig(min_context_tokens=1024, sink_tokens=16, recent_tokens=64,
+                              chunk_size=32, top_k_chunks=2, retrieval_interval=2, **options)
+    planner = RetrievalPlanner(config, max_num_reqs=8, max_model_len=4096,
+                               max_num_speculative_tokens=K, draft_window=draft_window,
+                               compact_positions=draft_window < 4096, device=meta)
+    layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=16)
+    planner.allocate_scoring_workspace(layer, torch.float32)
+    planner.bind_kv_cache(
+        TargetAttentionTap(num_slots=5 * 256 * BLOCK_SIZE, max_num_tokens=1024, num_heads=4,
+                           num_kv_heads=2, head_dim=16, scale=0.25, dtype=torch.float32,
+                           device=meta),
+        BLOCK_SIZE,
+    )
+    real_tensor = torch.tensor
+
+    def host_only_tensor(data, *args, device=None, **kwargs):
+        assert device is None or torch.device(device).type == "cpu", (
+            "torch.tensor(list, device=...) waits for the copy to the device"
+        )
+        return real_tensor(data, *args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", host_only_tensor)
+    for step in range(3):
+        rows = dict(ROWS, context_lens=[c + step for c in ROWS["context_lens"]])
+        view = planner.plan(to_device(planning_batch(**rows), meta))
+        assert view is not None and view.block_table.device == meta
+    assert sorted(planner._requests) == ["full_k", "reduced_k"]
+
+
+def test_mode_off_drafts_stock_and_drops_request_state():
+    planner = streaming_planner()
+    assert planner.plan(planning_batch(**ROWS)) is not None
+    planner.reconfigure(SpecExtendConfig(mode="off"))
+    assert planner.plan(planning_batch(**ROWS)) is None
+    assert planner._requests == {}

@@ -1,0 +1,255 @@
+"""Model Runner V2 (vLLM's default GPU runner): which runner an engine gets,
+and the MRV2 seam (``SpecExtendARSpeculator``) as far as it runs without
+Triton kernels. MRV2's kernels need CUDA: the engine test skips on CPU."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine_utils import run_engine
+from tests.retrieval.test_engine_options import capped_draft, engine_config
+from vllm_specextend.core.options import SpecExtendConfigError
+from vllm_specextend.core.selection import rewrite_block_table
+
+K = 3
+BLOCK_SIZE = 32
+STREAMING = {"mode": "streaming", "min_context_tokens": 1024, "sink_tokens": 32,
+             "recent_tokens": 64, "chunk_size": 64, "top_k_chunks": 2}
+
+
+def simulate_gpu(monkeypatch, v2_env):
+    """vLLM's GPU choice: MRV2 whenever Triton works, unless the env says."""
+    import vllm.envs
+    from vllm.config import VllmConfig
+    from vllm.config import vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setattr(VllmConfig, "_get_v2_model_runner_unsupported_features",
+                        lambda self: [])
+    monkeypatch.setattr(vllm.envs, "VLLM_USE_V2_MODEL_RUNNER", v2_env, raising=False)
+
+
+def test_default_gpu_setup_runs_retrieval_in_the_v1_runner(target_model, draft_model, monkeypatch):
+    stock = engine_config(target_model, draft_model)
+    ours = engine_config(target_model, draft_model, spec_extend={})
+    simulate_gpu(monkeypatch, v2_env=None)
+    assert stock.use_v2_model_runner  # vLLM's GPU default, untouched
+    assert not ours.use_v2_model_runner
+    # mode "off" is stock drafting: vLLM's choice stands.
+    assert engine_config(target_model, draft_model, spec_extend={"mode": "off"}).use_v2_model_runner
+
+
+def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    ours = engine_config(target_model, draft_model, spec_extend={})
+    capped = engine_config(target_model, spec_extend={},
+                           speculative_config=capped_draft(1024)(draft_model))
+    simulate_gpu(monkeypatch, v2_env=False)
+    assert not ours.use_v2_model_runner
+    simulate_gpu(monkeypatch, v2_env=True)
+    assert ours.use_v2_model_runner
+    assert resolve_setup(ours) is not None  # the MRV2 adapter takes it
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"compact draft positions \(a draft window of 1024 positions for "
+                             r"a target max_model_len of 2048\) run in vLLM's V1 model runner "
+                             r"only.*Unset VLLM_USE_V2_MODEL_RUNNER"):
+        resolve_setup(capped)
+
+
+def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
+    from vllm_specextend import patches
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+
+    module = types.ModuleType("model_runner_v2")
+    module.init_speculator = lambda vllm_config, device, req_states: "stock speculator"
+
+    class GPUModelRunner:
+        def __init__(self, vllm_config, device):
+            self.speculator = module.init_speculator(vllm_config, device, None)
+
+    module.GPUModelRunner = GPUModelRunner
+    patches._patch_model_runner_v2_init(module)
+    cpu = torch.device("cpu")
+    ours = GPUModelRunner(engine_config(target_model, draft_model, spec_extend={}), cpu)
+    assert isinstance(ours.speculator, SpecExtendARSpeculator)
+    stock = GPUModelRunner(engine_config(target_model, draft_model), cpu)
+    assert stock.speculator == "stock speculator"
+    # vLLM's own MRV2 runner module is wrapped once it is imported.
+    import vllm.v1.worker.gpu.model_runner as model_runner_v2
+
+    assert getattr(model_runner_v2.GPUModelRunner.__init__, "_specextend_wrapped", False)
+
+
+class FakeImpl:
+    scale = 0.125
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        return query
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        return None
+
+
+class FakeAttention:
+    """The target's last attention layer as the tap sees it."""
+
+    num_heads, num_kv_heads, head_size = 4, 2, 16
+
+    def __init__(self):
+        self.impl = FakeImpl()
+
+    def get_attn_backend(self):
+        return types.SimpleNamespace(forward_includes_kv_cache_update=False,
+                                     get_name=lambda: "FAKE")
+
+
+TARGET_LAYER = "model.layers.1.self_attn.attn"
+DRAFT_LAYER = "draft_model.model.layers.0.self_attn.attn"
+
+
+@pytest.fixture
+def speculator(target_model, draft_model, monkeypatch):
+    """A ``SpecExtendARSpeculator`` on CPU, attached like MRV2's runner does,
+    with vLLM's attention backends replaced (they need the real layers)."""
+    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+
+    config = engine_config(target_model, draft_model, spec_extend=STREAMING,
+                           max_num_seqs=4, max_model_len=4096)
+    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec.draft_attn_layer_names = {DRAFT_LAYER}  # what MRV2's load_model sets
+    spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
+                          spec.draft_attn_layer_names)
+    monkeypatch.setattr(speculator_module, "init_attn_backend",
+                        lambda *args, **kwargs: ([], {}, None))
+    max_blocks = 4096 // BLOCK_SIZE
+    block_tables = types.SimpleNamespace(
+        num_kv_cache_groups=1,
+        block_sizes=[BLOCK_SIZE],
+        input_block_tables=[torch.arange(4 * max_blocks, dtype=torch.int32).view(4, -1)],
+        slot_mappings=torch.zeros(1, 64, dtype=torch.int64),
+    )
+    kv_cache_config = types.SimpleNamespace(
+        num_blocks=4 * max_blocks,
+        kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])],
+    )
+    spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    return spec
+
+
+def input_batch(query_lens, context_lens, prompt_lens):
+    query_lens, context_lens = np.array(query_lens), np.array(context_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq_lens = (context_lens + query_lens).astype(np.int32)
+    return types.SimpleNamespace(
+        num_reqs=len(query_lens),
+        req_ids=[f"req-{i}" for i in range(len(query_lens))],
+        query_start_loc=torch.from_numpy(query_start_loc),
+        query_start_loc_np=query_start_loc,
+        seq_lens=torch.from_numpy(seq_lens),
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        positions=torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]),
+        num_computed_tokens_np=context_lens,
+        prefill_len_np=np.array(prompt_lens),
+    )
+
+
+def draft_metadata_builds(spec, monkeypatch, batch, num_rejected, dummy_run=False):
+    """Run ``propose`` with a stand-in for MRV2's drafting loop (Triton) that
+    builds the draft's attention metadata at step 0 and one decode step, and
+    return what each build handed vLLM's ``build_attn_metadata``."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
+        StandaloneARSpeculator,
+    )
+
+    builds = []
+
+    def build_attn_metadata(**kwargs):
+        builds.append({"seq_lens": kwargs["seq_lens"].clone(),
+                       "block_table": kwargs["block_tables"][0].clone()})
+        return {}
+
+    def drafting_loop(self, input_batch, *args, **kwargs):
+        num_reqs = input_batch.num_reqs
+        # Step 0: the expanded query (+1 correction token) of each row.
+        self.input_buffers.seq_lens[:num_reqs] = input_batch.seq_lens + 1
+        for step in (0, 2):
+            self._build_attn_metadata(
+                num_reqs=num_reqs,
+                batch_desc=BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE,
+                                                    num_tokens=num_reqs, num_reqs=num_reqs),
+                query_start_loc_np=np.arange(num_reqs + 1, dtype=np.int32),
+                seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound,
+                step=step,
+            )
+            self.input_buffers.seq_lens[:num_reqs] += 1  # the decode loop's advance
+        return torch.zeros(num_reqs, K, dtype=torch.int64)
+
+    monkeypatch.setattr(speculator_module, "build_attn_metadata", build_attn_metadata)
+    monkeypatch.setattr(StandaloneARSpeculator, "propose", drafting_loop)
+    stock_buffers = spec.input_buffers
+    spec.propose(batch, {}, {}, None, None, torch.ones(batch.num_reqs), num_rejected,
+                 dummy_run=dummy_run)
+    assert spec.input_buffers is stock_buffers and spec._draft_view is None
+    return builds
+
+
+def test_propose_hands_the_compacted_view_to_every_draft_build(speculator, monkeypatch):
+    # A decode row at 3000 tokens (one draft rejected), a last prompt chunk of
+    # K + 1 tokens, and a short decode row.
+    batch = input_batch(query_lens=[K + 1, K + 1, K + 1], context_lens=[3000, 2996, 500],
+                        prompt_lens=[1000, 3000, 400])
+    num_rejected = torch.tensor([1, 0, 0])
+    builds = draft_metadata_builds(speculator, monkeypatch, batch, num_rejected)
+
+    table = speculator.block_tables.input_block_tables[0]
+    keep = torch.ones_like(table, dtype=torch.bool)
+    # Row 0: sink block 0, the top 2 chunks ending before the recent window
+    # (block (3000 - 64) // 32 = 91 on): blocks 86-89; the window itself.
+    keep[0, 1:86] = False
+    keep[0, 90] = False
+    expected_table, removed = rewrite_block_table(table[:3], keep[:3], BLOCK_SIZE)
+    assert removed.tolist() == [86 * BLOCK_SIZE, 0, 0]
+    step0_seq_lens = batch.seq_lens + 1
+    assert len(builds) == 2
+    for i, build in enumerate(builds):
+        assert torch.equal(build["block_table"], expected_table)
+        assert torch.equal(build["seq_lens"], step0_seq_lens + i - removed)
+    figures = speculator.retrieval.planner.stats.as_dict()
+    assert figures["retrievals"] == 1
+    # Tokens gained at the verification: K + 1 minus the rejected draft.
+    assert figures["mean_acceptance_length"] == K
+    # MRV2's own buffers keep the stock lengths.
+    assert torch.equal(speculator.input_buffers.seq_lens[:3], step0_seq_lens + 2)
+
+
+def test_dummy_runs_and_short_batches_draft_stock(speculator, monkeypatch):
+    table = speculator.block_tables.input_block_tables[0]
+    short = input_batch(query_lens=[K + 1], context_lens=[500], prompt_lens=[400])
+    long = input_batch(query_lens=[K + 1], context_lens=[3000], prompt_lens=[1000])
+    for batch, dummy_run in ((short, False), (long, True)):
+        builds = draft_metadata_builds(speculator, monkeypatch, batch,
+                                       torch.zeros(1, dtype=torch.int64), dummy_run)
+        assert all(torch.equal(b["block_table"], table[:1]) for b in builds)
+        assert builds[0]["seq_lens"][0] == batch.seq_lens[0] + 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Model Runner V2's kernels need CUDA (Triton)")
+def test_runner_v2_engine_is_lossless_and_retrieves(target_model, draft_model, monkeypatch):
+    from tests.engine_utils import corpus_prompts
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    prompts = corpus_prompts(target_model, [3000, 2500])
+    target = run_engine(target_model, prompts, max_tokens=48)
+    ours = run_engine(target_model, prompts, max_tokens=48, draft=draft_model, k=K,
+                      spec_extend=STREAMING)
+    assert ours.token_ids == target.token_ids
+    assert ours.retrieval["retrievals"] > 0

@@ -1,0 +1,196 @@
+"""spec_extend options: defaults, and one clear error per bad input at engine
+construction (``EngineArgs.create_engine_config``), before any model loads."""
+
+import pytest
+
+from vllm_specextend.core.options import SpecExtendConfig, SpecExtendConfigError
+
+
+def engine_config(target, draft=None, spec_extend=None, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(target), block_size=32, max_model_len=2048,
+                enforce_eager=True, dtype="float32")
+    if draft is not None:
+        args["speculative_config"] = {"method": "draft_model", "model": str(draft),
+                                      "num_speculative_tokens": 3}
+    if spec_extend is not None:
+        args["additional_config"] = {"spec_extend": spec_extend}
+    return EngineArgs(**{**args, **kwargs}).create_engine_config()
+
+
+def test_defaults_are_valid_and_chunk_size_follows_block_size():
+    config = SpecExtendConfig()
+    assert config.mode == "cmr" and config.enabled
+    assert config.resolved_chunk_size(16) == 32
+    assert config.resolved_chunk_size(128) == 128
+    assert SpecExtendConfig(chunk_size=256).resolved_chunk_size(128) == 256
+
+
+def test_default_top_k_retrieves_a_fixed_token_budget():
+    config = SpecExtendConfig()
+    assert config.resolved_top_k_chunks(128) == 4  # vLLM's CPU block size
+    assert config.resolved_top_k_chunks(32) == 16  # 16-token GPU blocks
+    assert config.resolved_top_k_chunks(1024) == 1  # never zero by default
+    assert SpecExtendConfig(top_k_chunks=0).resolved_top_k_chunks(32) == 0
+    assert SpecExtendConfig(top_k_chunks=7).resolved_top_k_chunks(128) == 7
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"topk": 4}, r"unknown spec_extend option\(s\) \['topk'\]; allowed options: \['mode'"),
+        ({"mode": "fast"}, r"'mode'='fast' is invalid; allowed values: \['cmr', 'streaming', 'off'\]"),
+        ({"top_k_chunks": "8"}, r"'top_k_chunks' must be an integer, got str"),
+        ({"top_k_chunks": True}, r"'top_k_chunks' must be an integer, got bool"),
+        ({"retrieval_interval": 0}, r"'retrieval_interval'=0 is out of range; allowed: an integer >= 1"),
+        ({"sink_tokens": -1}, r"'sink_tokens'=-1 is out of range"),
+        ({"chunk_size": 0}, r"'chunk_size'=0 is out of range"),
+        ({"score_aggregation": "max"}, r"'score_aggregation'='max' is invalid; allowed values: \['last_token', 'accepted_tokens'\]"),
+        ({"draft_positions": "shifted"}, r"'draft_positions'='shifted' is invalid; allowed values: \['auto', 'original', 'compact'\]"),
+        ([1, 2], r"must be a JSON object of options, got list"),
+    ],
+)
+def test_bad_options_fail_at_engine_construction(target_model, draft_model, options, message):
+    with pytest.raises(SpecExtendConfigError, match=message):
+        engine_config(target_model, draft_model, spec_extend=options)
+
+
+def test_chunk_size_not_whole_blocks_fails(target_model, draft_model):
+    with pytest.raises(SpecExtendConfigError, match=r"'chunk_size'=48 is not a whole number of KV blocks \(block_size=32\)"):
+        engine_config(target_model, draft_model, spec_extend={"chunk_size": 48})
+
+
+def test_spec_extend_without_draft_model_fails(target_model):
+    with pytest.raises(SpecExtendConfigError, match=r"needs draft-model speculative decoding.*got method=None"):
+        engine_config(target_model, spec_extend={})
+
+
+def test_spec_extend_with_ngram_fails(target_model):
+    with pytest.raises(SpecExtendConfigError, match=r"got method='ngram'"):
+        engine_config(
+            target_model, spec_extend={},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3},
+        )
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs,message",
+    [
+        ({"kv_cache_dtype": "fp8"},
+         r"kv_cache_dtype='fp8': retrieval scores with the target's queries and keys.*"
+         r"Use kv_cache_dtype='auto'"),
+        ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+         r"KV connectors or KV offloading .* load KV blocks without the attention "
+         r"layers' do_kv_cache_update"),
+        ({"kv_offloading_size": 1.0},
+         r"KV connectors or KV offloading"),
+    ],
+)
+def test_kv_caches_retrieval_cannot_read_are_refused(target_model, draft_model,
+                                                      engine_kwargs, message):
+    with pytest.raises(SpecExtendConfigError, match=message):
+        engine_config(target_model, draft_model, spec_extend={}, **engine_kwargs)
+
+
+def test_context_parallelism_is_refused(target_model, draft_model):
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    # Building a DCP engine config needs several devices; refuse on the config.
+    config = engine_config(target_model, draft_model, spec_extend={})
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"decode_context_parallel_size=2: context parallelism interleaves"):
+        resolve_setup(config)
+
+
+def test_valid_options_and_mode_off_pass(target_model, draft_model):
+    config = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 4, "chunk_size": 64})
+    assert config.additional_config["spec_extend"]["top_k_chunks"] == 4
+    # mode "off" is stock drafting and needs no draft model.
+    engine_config(target_model, spec_extend={"mode": "off"})
+
+
+def sliding_window_copy(model, tmp_path, window=256):
+    """``model`` as a Mistral with sliding-window attention (config only)."""
+    import json
+
+    out = tmp_path / "sliding"
+    out.mkdir()
+    for path in model.iterdir():
+        (out / path.name).symlink_to(path)
+    (out / "config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"],
+                  sliding_window=window)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_sliding_window_target_is_refused_with_reason(target_model, draft_model, tmp_path):
+    sliding = sliding_window_copy(target_model, tmp_path)
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"the target model .* uses sliding-window attention \(sliding_window=256\)"):
+        engine_config(sliding, draft_model, spec_extend={})
+    # Without spec_extend the same engine is stock and accepted.
+    engine_config(sliding, draft_model)
+
+
+def test_sliding_window_draft_is_refused_with_reason(target_model, draft_model, tmp_path):
+    sliding = sliding_window_copy(draft_model, tmp_path)
+    with pytest.raises(SpecExtendConfigError, match=r"the draft model .* uses sliding-window"):
+        engine_config(target_model, sliding, spec_extend={})
+
+
+def capped_draft(max_model_len):
+    """speculative_config kwargs capping the draft's window (the user's way)."""
+    return lambda draft: {"method": "draft_model", "model": str(draft),
+                          "num_speculative_tokens": 3, "max_model_len": max_model_len}
+
+
+def test_auto_draft_positions_resolve_by_the_draft_window(target_model, draft_model):
+    from vllm_specextend.retrieval.engine_options import uses_compact_positions
+
+    uncapped = engine_config(target_model, draft_model, spec_extend={})
+    capped = engine_config(target_model, spec_extend={},
+                           speculative_config=capped_draft(1024)(draft_model))
+    assert not uses_compact_positions(uncapped, SpecExtendConfig())
+    assert uses_compact_positions(capped, SpecExtendConfig())
+
+
+def test_window_too_small_for_the_working_cache_fails_naming_the_numbers(target_model, draft_model):
+    # sink 32 + 16 chunks of 32 + recent 256 (+31) + 4 x (3 + 1) + 3 = 850 > 512.
+    with pytest.raises(
+        SpecExtendConfigError,
+        match=r"working cache needs up to 850 draft positions, more than the draft's window "
+              r"of 512: sink_tokens=32 \+ top_k_chunks=16 x chunk_size=32 \+ recent_tokens=256 "
+              r".*Lower top_k_chunks, recent_tokens",
+    ):
+        engine_config(target_model, spec_extend={}, speculative_config=capped_draft(512)(draft_model))
+    # The same window is fine with a smaller working cache.
+    engine_config(target_model, spec_extend={"top_k_chunks": 2, "recent_tokens": 128},
+                  speculative_config=capped_draft(512)(draft_model))
+
+
+def test_original_positions_with_a_short_window_fail(target_model, draft_model):
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"'draft_positions'='original' cannot draft requests longer than "
+                             r"the draft's window \(1024 positions; the target's max_model_len is 2048\)"):
+        engine_config(target_model, spec_extend={"draft_positions": "original"},
+                      speculative_config=capped_draft(1024)(draft_model))
+
+
+def test_compact_positions_cap_prompt_chunks_or_refuse_a_larger_user_budget(target_model, draft_model):
+    config = engine_config(target_model, spec_extend={},
+                           speculative_config=capped_draft(1024)(draft_model))
+    assert config.scheduler_config.max_num_batched_tokens == 512  # half the window
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"max_num_batched_tokens=2048 lets vLLM schedule prompt chunks longer "
+                             r"than the draft can prefill inside its window of 1024 positions "
+                             r"\(at most 957 tokens"):
+        engine_config(target_model, spec_extend={}, max_num_batched_tokens=2048,
+                      speculative_config=capped_draft(1024)(draft_model))
+    # Stock engines keep vLLM's budget.
+    stock = engine_config(target_model, speculative_config=capped_draft(1024)(draft_model))
+    assert stock.scheduler_config.max_num_batched_tokens > 512

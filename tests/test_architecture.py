@@ -1,0 +1,94 @@
+"""The package's layers (README "Architecture"): imports only point down,
+counting imports inside functions and imports of a package ``__init__``, and
+the core imports no vLLM."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vllm_specextend"
+
+# Lowest first; a module may import its own layer and the layers below it.
+LAYERS = [
+    ("utilities", ["vllm_specextend.log", "vllm_specextend.post_import"]),
+    ("core", ["vllm_specextend.core"]),
+    ("retrieval owner", ["vllm_specextend.retrieval"]),
+    ("adapters", ["vllm_specextend.drafters", "vllm_specextend.metrics"]),
+    ("patches", ["vllm_specextend.patches"]),
+    ("plugin entry", ["vllm_specextend"]),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """Index of the most specific layer prefix that holds ``module``."""
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best is not None, module
+    return best
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, at any depth; ``from A
+    import b`` imports ``A``, and ``A.b`` too when that is a module."""
+    tree = ast.parse(path.read_text())
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import"
+            found.append((node.lineno, node.module))
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    found.append((node.lineno, f"{node.module}.{alias.name}"))
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def check_imports_point_down(here: str, path: Path) -> None:
+    own = layer_of(here)
+    for line, target in imported_modules(path):
+        if not target.startswith("vllm_specextend"):
+            continue
+        assert target != "vllm_specextend" or here == "vllm_specextend", (
+            f"{path.name}:{line} imports the package __init__"
+        )
+        assert layer_of(target) <= own, (
+            f"{here} ({LAYERS[own][0]}) imports {target} ({LAYERS[layer_of(target)][0]}) "
+            f"at line {line}: imports must point down"
+        )
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_imports_point_down(path):
+    check_imports_point_down(module_name(path), path)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")),
+                         ids=lambda p: module_name(p))
+def test_core_imports_no_vllm(path):
+    for line, target in imported_modules(path):
+        assert target.split(".")[0] != "vllm", f"{path.name}:{line} imports {target}"
+
+
+@pytest.mark.parametrize("source", [
+    "def f():\n    from vllm_specextend.retrieval.owner import DraftRetrieval\n",
+    "from vllm_specextend import log\n",
+])
+def test_the_check_catches_upward_and_package_imports(tmp_path, source):
+    fake = tmp_path / "fake.py"
+    fake.write_text(source)
+    with pytest.raises(AssertionError, match="imports"):
+        check_imports_point_down("vllm_specextend.core.fake", fake)

@@ -1,0 +1,6 @@
+"""The algorithm as pure torch: options, scoring, block selection and table
+rewriting, re-positioning, counters and per-step planning.
+
+Nothing in this package imports vLLM, so every piece runs on tensors alone
+(tests, notebooks, ``benchmarks/gpu_kernels.py`` on a machine with torch only).
+"""

@@ -1,0 +1,512 @@
+"""Per-step retrieval planning, shared by every drafter and runner.
+
+A runner describes its verification step as a :class:`PlanningBatch`; the
+planner answers with the draft's view of the KV cache (:class:`DraftView`):
+a compacted block table and the tokens removed per row. It keeps the
+per-request state (when each request last retrieved, its chunk scores and
+selected blocks) and the retrieval counters. Scoring, selection and
+re-positioning are the pure functions next to it in ``core``.
+
+One step, in :meth:`RetrievalPlanner.plan`: classify the rows on the host
+(:meth:`~RetrievalPlanner._classify_rows`), stage their indices, score the
+context for cmr, retrieve for the rows that are due, lay out windowed
+prefills (compact positions), rewrite the block table, and record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_specextend.core.counters import RetrievalStats
+from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.repositioning import streaming_recent_start_block
+from vllm_specextend.core.scoring import (
+    ScoringWorkspace,
+    chunk_attention_sums,
+    chunk_token_counts,
+)
+from vllm_specextend.core.selection import rewrite_block_table, select_blocks
+from vllm_specextend.core.staging import IndexStager
+from vllm_specextend.core.target_tap import TargetAttentionTap
+
+@dataclass
+class PlanningBatch:
+    """One verification step of the target, as the planner needs it.
+
+    Device tensors are indexed by batch row; CPU arrays hold what the runner
+    already knows on the host (no device reads).
+    """
+
+    req_ids: list[str]
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]``, device: flat start of each row's query."""
+    seq_lens: torch.Tensor
+    """``[num_rows]``, device: context length including this step's query;
+    rows past ``num_reqs`` are the runner's padding."""
+    block_table: torch.Tensor
+    """``[num_rows, max_blocks]``, device: the shared (target and draft) block table."""
+    last_token_indices: torch.Tensor
+    """``[num_reqs]``, device: flat index of each row's last accepted token."""
+    positions: torch.Tensor
+    """``[num_tokens]``, device: the target's positions of the flat tokens."""
+    query_lens_cpu: np.ndarray
+    """``[num_reqs]``: tokens scheduled for each row in this step."""
+    context_lens_cpu: np.ndarray
+    """``[num_reqs]``: tokens before each row's query (an upper bound is fine)."""
+    prompt_lens_cpu: np.ndarray
+    """``[num_reqs]``: prompt length of each request."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class WorkingCacheRewrite:
+    """Rows whose kept context moved and must be laid out at positions 0, 1, ..."""
+
+    rows: torch.Tensor
+    max_context_len: int
+
+
+@dataclass
+class DraftView:
+    """What the draft's attention sees during one proposal."""
+
+    block_table: torch.Tensor
+    removed_tokens: torch.Tensor
+    kept_context_lens: torch.Tensor
+    """``[num_reqs]``: context before the query that the draft still sees."""
+    rewrites: list[WorkingCacheRewrite]
+    """Compact positions only: working caches to re-position before drafting."""
+
+
+def decode_rows(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    prompt_lens: np.ndarray,
+    max_num_speculative_tokens: int,
+) -> np.ndarray:
+    """Rows that verify drafts (or decode) rather than prefill.
+
+    A row decodes when its prompt is already in the KV cache and its query
+    holds at most one token plus ``max_num_speculative_tokens`` drafts. The
+    prompt test keeps a last prefill chunk of K + 1 tokens or fewer a prefill;
+    the bound on the configured K keeps steps with a reduced or dynamic K
+    decodes; longer queries after the prompt (a preempted request recomputing
+    its output) stay prefills.
+    """
+    return (np.asarray(context_lens) >= np.asarray(prompt_lens)) & (
+        np.asarray(query_lens) <= max_num_speculative_tokens + 1
+    )
+
+
+@dataclass
+class _RequestState:
+    slot: int
+    steps_since_retrieval: int = 0
+    has_selection: bool = False
+    retrievals: int = 0
+
+
+@dataclass
+class _StepRows:
+    """This step's rows, classified on the host (no device reads)."""
+
+    retrieval_rows: list[int] = field(default_factory=list)
+    """Decode rows drafted through a selection."""
+    due_rows: list[int] = field(default_factory=list)
+    """Retrieval rows whose selection is recomputed this step."""
+    windowed_prefill_rows: list[int] = field(default_factory=list)
+    """Compact positions: prompt chunks beyond the draft's window, prefilled
+    over the sink and the most recent blocks."""
+    seq_lens: np.ndarray | None = None
+    """``[num_reqs]``: context length including this step's query."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.retrieval_rows and not self.windowed_prefill_rows
+
+
+@dataclass
+class _StagedRows:
+    """Device index tensors of the classified rows and their request slots."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    due: torch.Tensor
+    due_slots: torch.Tensor
+
+
+class RetrievalPlanner:
+    """Chooses, per request and step, the KV blocks the draft attends to."""
+
+    def __init__(
+        self,
+        config: SpecExtendConfig,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_speculative_tokens: int,
+        draft_window: int,
+        compact_positions: bool,
+        device: torch.device,
+        steps_in_flight: int = 2,
+        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """
+        Args:
+            steps_in_flight: engine steps whose index copies may still be
+                read (``VllmConfig.max_concurrent_batches``); sizes staging.
+            sum_over_ranks: sums per-chunk scores over tensor-parallel ranks,
+                each of which scores its own heads (None: one rank).
+        """
+        self.config = config
+        self.max_model_len = max_model_len
+        self.max_num_speculative_tokens = max_num_speculative_tokens
+        self.draft_window = draft_window
+        self.compact_positions = compact_positions
+        self.device = device
+        self.stats = RetrievalStats(max_requests=max_num_reqs, device=device)
+        self._requests: dict[str, _RequestState] = {}
+        self._free_slots = list(range(max_num_reqs))
+        self._max_num_reqs = max_num_reqs
+        self._sum_over_ranks = sum_over_ranks
+        self.tap: TargetAttentionTap | None = None
+        self.block_size = -1
+        self.chunk_size = -1
+        self._selected_blocks: torch.Tensor | None = None
+        self._score_sums: torch.Tensor | None = None
+        self.scoring_workspace: ScoringWorkspace | None = None
+        self._index_stager = IndexStager(max_num_reqs, device, depth=max(2, steps_in_flight))
+
+    def allocate_scoring_workspace(self, scoring_layer, dtype: torch.dtype) -> None:
+        """Scoring's fixed workspace; call at model load, before vLLM
+        measures free memory, so the KV cache is sized with it counted."""
+        self.scoring_workspace = ScoringWorkspace.allocate(
+            num_heads=scoring_layer.num_heads,
+            num_kv_heads=scoring_layer.num_kv_heads,
+            head_dim=scoring_layer.head_size,
+            max_num_reqs=self._max_num_reqs,
+            # accepted_tokens scores K + 1 rows per request (reconfigure may switch).
+            max_query_rows=self.max_num_speculative_tokens + 1,
+            dtype=dtype,
+            device=self.device,
+        )
+
+    def bind_kv_cache(self, tap: TargetAttentionTap, block_size: int) -> None:
+        """Size the selection state once the KV cache layout is known."""
+        self.tap = tap
+        self.block_size = block_size
+        self.chunk_size = self.config.resolved_chunk_size(block_size)
+        self._allocate_selection_state()
+
+    def _allocate_selection_state(self) -> None:
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self._selected_blocks = torch.ones(
+            self._max_num_reqs, max_blocks, dtype=torch.bool, device=self.device
+        )
+        self._score_sums = torch.zeros(
+            self._max_num_reqs,
+            -(-self.max_model_len // self.chunk_size),
+            dtype=torch.float32,
+            device=self.device,
+        )
+
+    def reconfigure(self, config: SpecExtendConfig) -> None:
+        """Swap retrieval options between requests (used by the benchmarks);
+        mode ``off`` drafts as stock vLLM does.
+
+        Every request's selection is dropped and recomputed at its next step.
+        """
+        if self.compact_positions and not config.enabled:
+            raise ValueError("compact draft positions need retrieval (cmr or streaming)")
+        self.config = config
+        self.chunk_size = config.resolved_chunk_size(self.block_size)
+        for req_id in list(self._requests):
+            self._forget(req_id, finished=False)
+        self._allocate_selection_state()
+
+    # ---- planning ---------------------------------------------------------
+
+    def plan(self, batch: PlanningBatch) -> DraftView | None:
+        """The draft's view for this step, or None when every row sees all."""
+        if not self.config.enabled:
+            self._forget_requests_not_in([])
+            return None
+        self._forget_requests_not_in(batch.req_ids)
+        step = self._classify_rows(batch)
+        if step.empty:
+            return None
+        staged = self._stage(batch, step)
+        num_reqs = batch.num_reqs
+        query_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1])[:num_reqs]
+        first_query_pos = batch.seq_lens[:num_reqs] - query_lens
+        if self.config.mode == "cmr":
+            self._score(batch, step, staged)
+
+        num_rows = batch.seq_lens.shape[0]
+        keep = torch.ones(
+            num_rows, batch.block_table.shape[1], dtype=torch.bool, device=self.device
+        )
+        rewrites: list[WorkingCacheRewrite] = []
+        if step.due_rows:
+            rewrites += self._retrieve(batch, step, staged, first_query_pos)
+        if step.retrieval_rows:
+            assert self._selected_blocks is not None
+            num_blocks = self._num_blocks(batch)
+            keep[staged.rows, :num_blocks] = self._selected_blocks[staged.slots, :num_blocks]
+        if step.windowed_prefill_rows:
+            rewrites += self._lay_out_windowed_prefill(
+                batch, step, keep, first_query_pos, query_lens
+            )
+        compact, removed = rewrite_block_table(
+            batch.block_table[:num_rows], keep, self.block_size
+        )
+        if step.retrieval_rows:
+            self._record(batch, staged, query_lens, removed)
+        return DraftView(
+            block_table=compact,
+            removed_tokens=removed,
+            kept_context_lens=first_query_pos - removed[:num_reqs],
+            rewrites=rewrites,
+        )
+
+    def _classify_rows(self, batch: PlanningBatch) -> _StepRows:
+        """Host-side: which rows retrieve, which are due, which prefill
+        windowed; tracks new requests and drops prefilling ones."""
+        config = self.config
+        k = self.max_num_speculative_tokens
+        is_decode = decode_rows(
+            batch.query_lens_cpu, batch.context_lens_cpu, batch.prompt_lens_cpu, k
+        )
+        seq_lens = np.asarray(batch.context_lens_cpu) + np.asarray(batch.query_lens_cpu)
+        # Prefill rows get no retrieval: the draft writes their KV once, and
+        # would keep KV computed from partial context for good.
+        eligible = is_decode & (seq_lens >= max(config.min_context_tokens, 1))
+        # Rows whose draft positions would leave the draft's window.
+        beyond_window = seq_lens + k > self.draft_window
+        if self.compact_positions:
+            eligible |= is_decode & beyond_window
+
+        step = _StepRows(seq_lens=seq_lens)
+        for row, req_id in enumerate(batch.req_ids):
+            if not eligible[row]:
+                if not is_decode[row]:
+                    self._forget(req_id)
+                    if self.compact_positions and beyond_window[row]:
+                        step.windowed_prefill_rows.append(row)
+                continue
+            state = self._requests.get(req_id) or self._track(req_id)
+            state.steps_since_retrieval += 1
+            step.retrieval_rows.append(row)
+            if (
+                not state.has_selection
+                or state.steps_since_retrieval >= config.retrieval_interval
+            ):
+                step.due_rows.append(row)
+        return step
+
+    def _stage(self, batch: PlanningBatch, step: _StepRows) -> _StagedRows:
+        stage = self._index_stager.next_step()
+        slot_of_row = {
+            row: self._requests[batch.req_ids[row]].slot for row in step.retrieval_rows
+        }
+        return _StagedRows(
+            rows=stage(step.retrieval_rows),
+            slots=stage([slot_of_row[r] for r in step.retrieval_rows]),
+            due=stage(step.due_rows),
+            due_slots=stage([slot_of_row[r] for r in step.due_rows]),
+        )
+
+    def _num_blocks(self, batch: PlanningBatch) -> int:
+        assert self._selected_blocks is not None
+        return min(batch.block_table.shape[1], self._selected_blocks.shape[1])
+
+    def _score(self, batch: PlanningBatch, step: _StepRows, staged: _StagedRows) -> None:
+        """cmr: chunk scores from the target's last layer, for the rows due
+        (``last_token``) or every retrieval row (``accepted_tokens``)."""
+        accumulate = self.config.score_aggregation == "accepted_tokens"
+        score_rows = step.retrieval_rows if accumulate else step.due_rows
+        if not score_rows:
+            return
+        assert step.seq_lens is not None
+        self._accumulate_scores(
+            staged.rows if accumulate else staged.due,
+            staged.slots if accumulate else staged.due_slots,
+            batch,
+            int(step.seq_lens[score_rows].max()),
+            accumulate=accumulate,
+        )
+
+    def _retrieve(
+        self,
+        batch: PlanningBatch,
+        step: _StepRows,
+        staged: _StagedRows,
+        first_query_pos: torch.Tensor,
+    ) -> list[WorkingCacheRewrite]:
+        """New selections for the rows due: sink + top-k chunks + recent."""
+        config = self.config
+        assert self._selected_blocks is not None and self._score_sums is not None
+        due, due_slots = staged.due, staged.due_slots
+        recent_start_block = (
+            (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
+        )
+        if config.mode == "cmr":
+            scores = self._score_sums[due_slots]
+        else:
+            # Streaming: the most recent chunks win the top-k.
+            num_chunks = self._score_sums.shape[1]
+            scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
+            scores = scores.expand(len(step.due_rows), num_chunks)
+        num_blocks = self._num_blocks(batch)
+        keep = select_blocks(
+            scores,
+            recent_start_block,
+            top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
+            sink_blocks=self._sink_blocks,
+            blocks_per_chunk=self.chunk_size // self.block_size,
+            num_blocks=num_blocks,
+        )
+        self._selected_blocks[due_slots, :num_blocks] = keep
+        if config.score_aggregation == "accepted_tokens":
+            self._score_sums[due_slots] = 0.0
+        for row in step.due_rows:
+            state = self._requests[batch.req_ids[row]]
+            state.has_selection = True
+            state.steps_since_retrieval = 0
+            state.retrievals += 1
+        self.stats.retrievals += len(step.due_rows)
+        if not self.compact_positions:
+            return []
+        # Kept context before the query: at most the working cache.
+        working_cache = config.working_cache_tokens(
+            self.block_size, self.max_num_speculative_tokens
+        )
+        return [WorkingCacheRewrite(due, working_cache)]
+
+    def _lay_out_windowed_prefill(
+        self,
+        batch: PlanningBatch,
+        step: _StepRows,
+        keep: torch.Tensor,
+        first_query_pos: torch.Tensor,
+        query_lens: torch.Tensor,
+    ) -> list[WorkingCacheRewrite]:
+        """Compact positions: a prompt chunk beyond the draft's window attends
+        to the sink and as many recent blocks as fit (StreamingLLM)."""
+        assert self._score_sums is not None
+        prefill = self._index_stager(step.windowed_prefill_rows)
+        recent_start_block = streaming_recent_start_block(
+            first_query_pos[prefill], query_lens[prefill], self.max_num_speculative_tokens,
+            self._sink_blocks, self.draft_window, self.block_size,
+        )
+        num_blocks = self._num_blocks(batch)
+        keep[prefill, :num_blocks] = select_blocks(
+            self._score_sums.new_empty(len(step.windowed_prefill_rows), 0),
+            recent_start_block,
+            top_k_chunks=0,
+            sink_blocks=self._sink_blocks,
+            blocks_per_chunk=self.chunk_size // self.block_size,
+            num_blocks=num_blocks,
+        )
+        return [WorkingCacheRewrite(prefill, self.draft_window)]
+
+    def _record(
+        self,
+        batch: PlanningBatch,
+        staged: _StagedRows,
+        query_lens: torch.Tensor,
+        removed: torch.Tensor,
+    ) -> None:
+        rows = staged.rows
+        # Tokens gained at the verification just done: accepted drafts + 1.
+        accepted = batch.last_token_indices[rows] - batch.query_start_loc[rows] + 1
+        self.stats.record_step(
+            staged.slots,
+            context_tokens=batch.seq_lens[rows],
+            removed_tokens=removed[rows],
+            acceptance_lengths=torch.where(query_lens[rows] > 1, accepted, 0),
+        )
+
+    @property
+    def _sink_blocks(self) -> int:
+        return -(-self.config.sink_tokens // self.block_size)
+
+    def _accumulate_scores(
+        self,
+        rows_t: torch.Tensor,
+        slots: torch.Tensor,
+        batch: PlanningBatch,
+        max_context_len: int,
+        accumulate: bool,
+    ) -> None:
+        """Chunk scores from the target's last layer for the given batch rows."""
+        tap = self.tap
+        assert tap is not None and self._score_sums is not None
+        num_query_rows = self.max_num_speculative_tokens + 1 if accumulate else 1
+        last = batch.last_token_indices[rows_t].long()
+        query_index = last.view(-1, 1) - torch.arange(
+            num_query_rows, device=self.device
+        ).view(1, -1)
+        valid = query_index >= batch.query_start_loc[rows_t].view(-1, 1)
+        query_index = query_index.clamp(min=0)
+        query_positions = torch.where(valid, batch.positions[query_index], -1)
+        assert self.scoring_workspace is not None
+        sums = chunk_attention_sums(
+            tap.queries[query_index], query_positions, tap.keys,
+            batch.block_table[rows_t], max_context_len, tap.scale, self.block_size,
+            self.chunk_size, self.scoring_workspace,
+        )
+        if self._sum_over_ranks is not None:
+            sums = self._sum_over_ranks(sums)
+        counts = chunk_token_counts(batch.seq_lens[rows_t], sums.shape[1], self.chunk_size)
+        scores = sums / counts.clamp(min=1)
+        width = min(scores.shape[1], self._score_sums.shape[1])
+        if accumulate:
+            self._score_sums[slots, :width] += scores[:, :width]
+        else:
+            self._score_sums[slots] = 0.0
+            self._score_sums[slots, :width] = scores[:, :width]
+
+    # ---- per-request state ------------------------------------------------
+
+    def metrics_snapshot(self) -> dict[str, object]:
+        """Aggregate and per-request retrieval figures (reads the device)."""
+        return {
+            **self.stats.as_dict(),
+            "tracked_requests": len(self._requests),
+            "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
+            "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
+            "requests": {
+                req_id: {"retrievals": state.retrievals,
+                         **self.stats.request_figures(state.slot)}
+                for req_id, state in self._requests.items()
+            },
+        }
+
+    def _track(self, req_id: str) -> _RequestState:
+        state = _RequestState(slot=self._free_slots.pop())
+        self._requests[req_id] = state
+        return state
+
+    def _forget(self, req_id: str, finished: bool = True) -> None:
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            return
+        if finished:
+            self.stats.finish_request(state.slot)
+        else:
+            self.stats.clear_slot(state.slot)
+        self._free_slots.append(state.slot)
+
+    def _forget_requests_not_in(self, req_ids: list[str]) -> None:
+        """Free the state of finished, aborted or preempted requests."""
+        live = set(req_ids)
+        for req_id in [r for r in self._requests if r not in live]:
+            self._forget(req_id)

@@ -1,0 +1,173 @@
+"""Retrieval in vLLM's V1 model runner: the overrides every V1 drafter shares.
+
+vLLM's V1 drafters derive from ``SpecDecodeBaseProposer``
+(``v1/spec_decode/llm_base_proposer.py``); :class:`V1Retrieval` is mixed in
+before the stock class and changes only this:
+
+- ``load_model`` attaches :class:`DraftRetrieval` to the target's last
+  attention layer;
+- ``initialize_attn_backend`` binds it to the KV cache (tap, plain draft KV
+  copy);
+- ``propose`` plans, per request, which KV blocks the draft keeps, from the
+  V1 attention metadata;
+- ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
+  compacted block table and shortened ``seq_lens``;
+- with compact draft positions, ``_get_positions`` runs each compacted row at
+  its position in the working cache (original position - removed tokens).
+
+Slot mappings, KV writes and the target's verification are stock, so outputs
+are exactly the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from typing_extensions import override
+
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from vllm_specextend.core.planner import DraftView, PlanningBatch
+from vllm_specextend.core.repositioning import token_rows
+from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
+from vllm_specextend.retrieval.owner import DraftRetrieval
+
+class V1Retrieval:
+    """Mixin for a ``SpecDecodeBaseProposer`` subclass: put it first."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        setup = getattr(runner, SETUP_ATTRIBUTE, None) or resolve_setup(vllm_config)
+        self.runner = runner
+        self.retrieval = DraftRetrieval(
+            setup,
+            max_num_reqs=self.max_batch_size,
+            max_model_len=self.max_model_len,
+            max_num_tokens=self.max_num_tokens,
+            dtype=self.dtype,
+            device=device,
+        )
+        self._draft_view: DraftView | None = None
+        # Per flat draft token: compact position = original - shift.
+        self._position_shift = torch.zeros(
+            self.max_num_tokens, dtype=torch.int64, device=device
+        )
+
+    # ---- set-up -----------------------------------------------------------
+
+    @override
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)
+        self.retrieval.attach(
+            get_layers_from_vllm_config(self.vllm_config, Attention),
+            self._draft_attn_layer_names,
+        )
+
+    @override
+    def initialize_attn_backend(
+        self,
+        kv_cache_config: KVCacheConfig,
+        kernel_block_sizes: list[int] | None = None,
+    ) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
+        assert self.retrieval.kv_cache_gid == self.kv_cache_gid
+
+    def bytes_per_kv_token_outside_cache(self) -> int:
+        return self.retrieval.bytes_per_kv_token_outside_cache()
+
+    # ---- the seam into drafting ------------------------------------------
+
+    @override
+    def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
+        self._draft_view = self.retrieval.plan(
+            self.planning_batch(
+                cad=kwargs["common_attn_metadata"],
+                token_indices_to_sample=kwargs.get("token_indices_to_sample"),
+                target_positions=kwargs["target_positions"],
+            )
+        )
+        try:
+            return super().propose(num_speculative_tokens, **kwargs)
+        finally:
+            self._draft_view = None
+            self._position_shift.zero_()
+
+    def planning_batch(
+        self,
+        cad: CommonAttentionMetadata,
+        token_indices_to_sample: torch.Tensor | None,
+        target_positions: torch.Tensor,
+    ) -> PlanningBatch:
+        """This step as the planner sees it, from the V1 attention metadata."""
+        num_reqs = cad.num_reqs
+        num_rows = cad.seq_lens.shape[0]
+        query_start_cpu = cad.query_start_loc_cpu[: num_reqs + 1].numpy()
+        query_lens_cpu = query_start_cpu[1:] - query_start_cpu[:-1]
+        input_batch = self.runner.input_batch
+        if cad.seq_lens_cpu_upper_bound is not None:
+            context_lens_cpu = cad.seq_lens_cpu_upper_bound[:num_reqs].numpy() - query_lens_cpu
+        else:
+            context_lens_cpu = input_batch.num_computed_tokens_cpu[:num_reqs]
+        if token_indices_to_sample is None:
+            token_indices_to_sample = cad.query_start_loc[1 : num_reqs + 1] - 1
+        return PlanningBatch(
+            req_ids=input_batch.req_ids[:num_reqs],
+            query_start_loc=cad.query_start_loc[: num_reqs + 1],
+            seq_lens=cad.seq_lens,
+            block_table=cad.block_table_tensor[:num_rows],
+            last_token_indices=token_indices_to_sample[:num_reqs],
+            positions=target_positions[0] if target_positions.dim() == 2 else target_positions,
+            query_lens_cpu=query_lens_cpu,
+            context_lens_cpu=context_lens_cpu,
+            prompt_lens_cpu=input_batch.num_prompt_tokens[:num_reqs],
+        )
+
+    @override
+    def _get_positions(self, num_tokens: int) -> torch.Tensor:
+        positions = super()._get_positions(num_tokens)
+        kv_copy = self.retrieval.kv_copy
+        if kv_copy is None:
+            return positions
+        # The positions the draft runs at, read by the KV copy's tap too.
+        # Real tokens stay inside the window by construction; the clamp keeps
+        # padding tokens inside the draft's rotary table.
+        out = kv_copy.token_positions[:num_tokens]
+        torch.sub(positions, self._position_shift[:num_tokens], out=out)
+        return out.clamp_(0, self.retrieval.draft_window - 1)
+
+    @override
+    def build_per_group_and_layer_attn_metadata(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
+    ) -> tuple[list[object], dict[str, object]]:
+        view = self._draft_view
+        if view is not None:
+            # A copy: later draft steps advance the caller's seq_lens in place,
+            # and slot mappings keep using the original block table.
+            if self.retrieval.kv_copy is not None:
+                self._shift_positions(common_attn_metadata, view.removed_tokens, draft_index)
+            common_attn_metadata = common_attn_metadata.replace(
+                block_table_tensor=view.block_table,
+                seq_lens=common_attn_metadata.seq_lens - view.removed_tokens,
+                _num_computed_tokens_cache=None,
+            )
+        return super().build_per_group_and_layer_attn_metadata(
+            common_attn_metadata, draft_index
+        )
+
+    def _shift_positions(
+        self, cad: CommonAttentionMetadata, removed_tokens: torch.Tensor, draft_index: int
+    ) -> None:
+        """Each draft token runs at its original position minus its row's removed tokens."""
+        shift = self._position_shift
+        if draft_index == 0:
+            num_tokens = cad.num_actual_tokens
+            rows = token_rows(cad.query_start_loc, num_tokens)
+            per_row = torch.cat((removed_tokens.long(), removed_tokens.new_zeros(1).long()))
+            shift.zero_()
+            shift[:num_tokens] = per_row[rows]
+        else:
+            shift[: removed_tokens.shape[0]] = removed_tokens

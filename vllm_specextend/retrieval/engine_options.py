@@ -1,0 +1,239 @@
+"""An engine's ``spec_extend`` options, resolved and checked once.
+
+Everything that can be refused is refused here, when the engine is built
+(``LLM(...)``, ``vllm serve``), before any model loads, with the reason and
+the remedy: retrieval never silently turns into plain drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_specextend.core.options import (
+    SpecExtendConfig,
+    SpecExtendConfigError,
+    spec_extend_options,
+)
+from vllm_specextend.log import plugin_logger
+
+logger = plugin_logger(__name__)
+
+SETUP_ATTRIBUTE = "_spec_extend_setup"
+"""Where an engine or model runner keeps its resolved :class:`RetrievalSetup`."""
+
+
+@dataclass(frozen=True)
+class RetrievalSetup:
+    """An engine's ``spec_extend`` options, validated against its vLLM config."""
+
+    config: SpecExtendConfig
+    draft_window: int
+    """Positions the draft may run at (its ``max_model_len`` after capping)."""
+    target_max_model_len: int
+    num_speculative_tokens: int
+    """The configured K (a step may draft fewer: vLLM's K by batch size)."""
+    compact_positions: bool
+    """Requests longer than the draft's window draft at compact positions."""
+    steps_in_flight: int
+    """Engine steps that may run at once (``max_concurrent_batches``)."""
+
+
+def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
+    """The validated retrieval set-up of an engine, or None when it is off.
+
+    Engine construction calls this once (``EngineArgs.create_engine_config``)
+    and so do the runners when they build their drafter; per-step and
+    per-metrics code keeps the result instead of calling it again.
+
+    Raises:
+        SpecExtendConfigError: options that retrieval cannot honour.
+    """
+    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+    if options is None:
+        return None
+    config = SpecExtendConfig.from_dict(options)
+    if not config.enabled:
+        return None
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.uses_draft_model():
+        method = None if spec is None else spec.method
+        raise SpecExtendConfigError(
+            "spec_extend needs draft-model speculative decoding: pass "
+            "speculative_config={'method': 'draft_model', 'model': DRAFT, "
+            f"'num_speculative_tokens': K}} (got method={method!r})"
+        )
+    if spec.parallel_drafting:
+        raise SpecExtendConfigError(
+            "spec_extend does not support parallel_drafting=True in "
+            "speculative_config; remove it"
+        )
+    for role, model_config in (
+        ("target", vllm_config.model_config),
+        ("draft", spec.draft_model_config),
+    ):
+        _check_full_attention(role, model_config)
+    _check_kv_cache_reaches_tap(vllm_config)
+    block_size = vllm_config.cache_config.block_size
+    compact = uses_compact_positions(vllm_config, config)
+    if block_size is not None:
+        config.resolved_chunk_size(block_size)
+        if compact:
+            _check_compact_positions(vllm_config, config, block_size)
+    if vllm_config.use_v2_model_runner:
+        if compact:
+            raise SpecExtendConfigError(
+                "spec_extend's compact draft positions (a draft window of "
+                f"{draft_window(vllm_config)} positions for a target max_model_len of "
+                f"{vllm_config.model_config.max_model_len}) run in vLLM's V1 model "
+                "runner only, but this engine selected Model Runner V2. Unset "
+                "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+            )
+        logger.warning_once(
+            "SpecExtend: Model Runner V2 selected; retrieval runs in "
+            "SpecExtendARSpeculator, which is unit-tested on CPU but has not been "
+            "run on a GPU yet. Unset VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
+        )
+    return RetrievalSetup(
+        config=config,
+        draft_window=draft_window(vllm_config),
+        target_max_model_len=vllm_config.model_config.max_model_len,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        compact_positions=compact,
+        steps_in_flight=vllm_config.max_concurrent_batches,
+    )
+
+
+def requests_spec_extend(vllm_config: Any) -> bool:
+    """Whether the engine asks for retrieval (options are validated later)."""
+    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+    spec = vllm_config.speculative_config
+    if options is None or spec is None or not spec.uses_draft_model():
+        return False
+    try:
+        return SpecExtendConfig.from_dict(options).enabled
+    except SpecExtendConfigError:
+        return False
+
+
+def draft_window(vllm_config: Any) -> int:
+    """Positions the draft may run at: its ``max_model_len`` after vLLM's
+    capping (``speculative_config["max_model_len"]`` included)."""
+    return vllm_config.speculative_config.draft_model_config.max_model_len
+
+
+def uses_compact_positions(vllm_config: Any, config: SpecExtendConfig) -> bool:
+    return config.uses_compact_positions(
+        draft_window(vllm_config), vllm_config.model_config.max_model_len
+    )
+
+
+def _check_compact_positions(
+    vllm_config: Any, config: SpecExtendConfig, block_size: int
+) -> None:
+    spec = vllm_config.speculative_config
+    window = draft_window(vllm_config)
+    k = spec.num_speculative_tokens
+    config.check_working_cache_fits(window, block_size, k)
+    if spec.draft_model_config.uses_mrope:
+        raise SpecExtendConfigError(
+            "spec_extend's compact draft positions need a draft with plain rotary "
+            "positions; this draft uses M-RoPE. Set draft_positions='original' and "
+            "a draft window as long as the target's."
+        )
+    scheduler = vllm_config.scheduler_config
+    limit = config.prefill_chunk_limit(window, block_size, k)
+    if not scheduler.enable_chunked_prefill:
+        raise SpecExtendConfigError(
+            "spec_extend's compact draft positions prefill long prompts in chunks "
+            f"of at most {limit} tokens (the draft's window is {window}); enable "
+            "chunked prefill."
+        )
+    if scheduler.max_num_batched_tokens > limit:
+        raise SpecExtendConfigError(
+            f"max_num_batched_tokens={scheduler.max_num_batched_tokens} lets vLLM "
+            f"schedule prompt chunks longer than the draft can prefill inside its "
+            f"window of {window} positions (at most {limit} tokens with "
+            f"sink_tokens={config.sink_tokens}, num_speculative_tokens={k} and "
+            f"{block_size}-token blocks). Set max_num_batched_tokens <= {limit}, "
+            "or leave it unset to get half the draft's window."
+        )
+
+
+def fit_prefill_chunks_to_draft_window(
+    vllm_config: Any, config: SpecExtendConfig, user_chunk_budget: int | None
+) -> None:
+    """With compact draft positions and no ``max_num_batched_tokens`` from the
+    user, schedule prompt chunks of at most half the draft's window, so the
+    other half holds the most recent context while the draft prefills them."""
+    block_size = vllm_config.cache_config.block_size
+    if user_chunk_budget is not None or block_size is None:
+        return
+    if not uses_compact_positions(vllm_config, config):
+        return
+    scheduler = vllm_config.scheduler_config
+    window = draft_window(vllm_config)
+    half_window = max(block_size, window // 2 // block_size * block_size)
+    budget = max(scheduler.max_num_seqs, half_window)
+    if scheduler.max_num_batched_tokens > budget:
+        logger.info(
+            "SpecExtend: max_num_batched_tokens %d -> %d (half the draft's window "
+            "of %d positions) so the draft prefills long prompts inside its window",
+            scheduler.max_num_batched_tokens, budget, window,
+        )
+        scheduler.max_num_batched_tokens = budget
+        scheduler.max_num_encoder_input_tokens = budget
+        scheduler.encoder_cache_size = budget
+
+
+_UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "half", "float", "float32")
+
+
+def _check_kv_cache_reaches_tap(vllm_config: Any) -> None:
+    """Refuse set-ups where the tapped keys and queries would not match the KV
+    cache the draft reads: retrieval would pick chunks from wrong scores."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise SpecExtendConfigError(
+                f"spec_extend does not support {name}={size}: context parallelism "
+                "interleaves each request's KV cache over ranks, which block-table "
+                f"compaction does not follow. Use {name}=1."
+            )
+    if vllm_config.kv_transfer_config is not None:
+        raise SpecExtendConfigError(
+            "spec_extend does not support KV connectors or KV offloading "
+            "(kv_transfer_config / kv_offloading_size): they load KV blocks without "
+            "the attention layers' do_kv_cache_update, so the target's keys never "
+            "reach retrieval. Remove the KV connector, or spec_extend."
+        )
+    spec = vllm_config.speculative_config
+    for option, dtype in (
+        ("kv_cache_dtype", vllm_config.cache_config.cache_dtype),
+        ('speculative_config["kv_cache_dtype"]', spec.kv_cache_dtype),
+    ):
+        if dtype is not None and dtype not in _UNQUANTIZED_KV_CACHE_DTYPES:
+            raise SpecExtendConfigError(
+                f"spec_extend does not support {option}={dtype!r}: retrieval scores "
+                "with the target's queries and keys as the attention layer sees them, "
+                "and a quantized KV cache hands it scaled values. Use "
+                f"{option}='auto'."
+            )
+
+
+def _check_full_attention(role: str, model_config: Any) -> None:
+    """Refuse models whose KV cache is not one full-attention block table."""
+    if model_config is None:
+        return
+    if model_config.is_hybrid or model_config.is_attention_free:
+        kind = "hybrid or attention-free layers (state-space / linear attention)"
+    elif model_config.get_sliding_window() is not None:
+        kind = f"sliding-window attention (sliding_window={model_config.get_sliding_window()})"
+    else:
+        return
+    raise SpecExtendConfigError(
+        f"spec_extend rewrites one full-attention block table shared by target and "
+        f"draft, but the {role} model {model_config.model} uses {kind}, whose KV "
+        "cache it cannot compact. Use full-attention models, or remove spec_extend."
+    )
