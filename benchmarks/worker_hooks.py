@@ -46,8 +46,9 @@ def install_timers(worker) -> None:
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "propose"):
         timed(drafter, "propose", "draft")
-        if hasattr(drafter, "_plan_draft_view"):
-            timed(drafter, "_plan_draft_view", "retrieval")
+        retrieval = _retrieval(runner)
+        if retrieval is not None:
+            timed(retrieval, "plan", "retrieval")
 
 
 def read_timers(worker) -> dict[str, Any]:

@@ -71,6 +71,9 @@ def test_batched_grid_is_complete_and_lossless(batch_results):
         assert kept[("cmr", b, 1024)] in (None, 1.0)
         assert kept[("cmr", b, 2048)] < 0.7
         assert kept[("streaming", b, 2048)] == pytest.approx(kept[("cmr", b, 2048)], rel=0.05)
+        # The retrieval timer runs inside the drafter's step.
+        retrieval_s = by_key[("cmr", b, 2048)]["retrieval_s_per_step"]
+        assert 0 < retrieval_s < by_key[("cmr", b, 2048)]["draft_s_per_step"]
     table = (batch_results / "results.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 1 + len(rows)
     assert (batch_results / "results.png").read_bytes().startswith(PNG_MAGIC)
