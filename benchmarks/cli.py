@@ -24,7 +24,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b",
                         help="local path, hub id, or a short name from benchmarks.real_models")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                        help="the draft model, or with --method eagle/eagle3 the EAGLE head")
+    parser.add_argument("--method", default="draft_model",
+                        choices=["draft_model", "eagle", "eagle3"],
+                        help="speculative method of --draft; the draft_model configuration "
+                             "is stock drafting with it")
     parser.add_argument("--heterogeneous-vocab", action="store_true",
                         help="draft with its own tokenizer (use_heterogeneous_vocab)")
     parser.add_argument("--corpus", type=Path, nargs="+", default=[CORPUS_DIR])
@@ -91,7 +96,8 @@ def main(argv=None) -> None:
     out_dir = args.out or RESULTS_DIR / name
     machine = machine_info()
     window = f" (window {args.draft_window})" if args.draft_window else ""
-    title = (f"{Path(args.target).name} / draft {Path(args.draft).name}{window}, {args.dtype}, "
+    drafter = "draft" if args.method == "draft_model" else f"{args.method} head"
+    title = (f"{Path(args.target).name} / {drafter} {Path(args.draft).name}{window}, {args.dtype}, "
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_model']}, {machine['cpu_capability']}"
              f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")

@@ -83,7 +83,7 @@ def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     elif config != "target":
-        kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft,
+        kwargs["speculative_config"] = {"method": args.method, "model": args.draft,
                                         "num_speculative_tokens": args.k}
         if config == "cmr_k_by_batch":
             kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = K_BY_BATCH_SIZE

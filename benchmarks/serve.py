@@ -55,7 +55,7 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
     if args.block_size:
         command += ["--block-size", str(args.block_size)]
     if config != "target":
-        speculative = {"method": "draft_model", "model": args.draft,
+        speculative = {"method": args.method, "model": args.draft,
                        "num_speculative_tokens": args.k}
         if config == "cmr_k_by_batch":
             speculative["num_speculative_tokens_per_batch_size"] = K_BY_BATCH_SIZE

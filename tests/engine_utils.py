@@ -77,8 +77,9 @@ def spec_decode_counters(llm) -> dict[str, Any]:
 def engine(target: Path, draft: Path | None = None, k: int = 3,
            spec_extend: dict | None = None, draft_window: int | None = None,
            speculative_config_extra: dict | None = None, multiprocessing: bool = False,
-           **overrides):
-    """An ``LLM``; ``draft_window`` caps the draft's window (speculative
+           method: str = "draft_model", **overrides):
+    """An ``LLM``; ``draft`` is a draft model or, with ``method`` ``eagle`` /
+    ``eagle3``, a head; ``draft_window`` caps its window (speculative
     ``max_model_len``), which makes SpecExtend draft at compact positions;
     ``speculative_config_extra`` adds other speculative options;
     ``multiprocessing`` runs the engine core in a process of its own."""
@@ -88,7 +89,7 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
     kwargs = {**DEFAULT_ENGINE_KWARGS, **overrides}
     if draft is not None:
         kwargs["speculative_config"] = {
-            "method": "draft_model",
+            "method": method,
             "model": str(draft),
             "num_speculative_tokens": k,
         }

@@ -16,8 +16,9 @@ options every wrapper calls straight through.
   MRV2 adapter, with a warning.
 - ``GPUModelRunner.__init__`` of the V1 runner (the CPU runner is its
   subclass): while a runner with ``spec_extend`` is built, the runner
-  module's ``DraftModelProposer`` is our adapter, restored right after (the
-  stock class stays untouched and ``isinstance`` checks keep working). Its
+  module's ``DraftModelProposer`` and ``EagleProposer`` are our adapters,
+  restored right after (the stock classes stay untouched and ``isinstance``
+  checks keep working). Its
   batch-wide ``_input_fits_in_drafter`` gate is replaced: every row drafts.
   The CPU rejection sampler's ``expand_kernel`` is fixed (below).
 - ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
@@ -170,11 +171,17 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
 
 
 def _patch_model_runner_init(module: ModuleType) -> None:
-    def proposer(stock: type, setup: RetrievalSetup) -> type:
+    def draft_model_proposer(stock: type, setup: RetrievalSetup) -> type:
         from vllm_specextend.drafters.v1_draft_model import SpecExtendProposer
 
         patch_cpu_rejection_sampler()
         return SpecExtendProposer
+
+    def eagle_proposer(stock: type, setup: RetrievalSetup) -> type:
+        from vllm_specextend.drafters.v1_eagle import SpecExtendEagleProposer
+
+        patch_cpu_rejection_sampler()
+        return SpecExtendEagleProposer
 
     def every_row_drafts(runner: Any) -> None:
         # vLLM switches drafting off for the whole batch when its longest
@@ -182,7 +189,11 @@ def _patch_model_runner_init(module: ModuleType) -> None:
         # row inside the window (compact positions), so every row drafts.
         runner._input_fits_in_drafter = _every_row_drafts
 
-    _swap_while_runner_is_built(module, "DraftModelProposer", proposer, every_row_drafts)
+    _swap_while_runner_is_built(
+        module,
+        {"DraftModelProposer": draft_model_proposer, "EagleProposer": eagle_proposer},
+        every_row_drafts,
+    )
 
 
 def _patch_model_runner_v2_init(module: ModuleType) -> None:
@@ -194,19 +205,19 @@ def _patch_model_runner_v2_init(module: ModuleType) -> None:
 
         return init_speculator
 
-    _swap_while_runner_is_built(module, "init_speculator", speculator_factory)
+    _swap_while_runner_is_built(module, {"init_speculator": speculator_factory})
 
 
 def _swap_while_runner_is_built(
     module: ModuleType,
-    name: str,
-    replacement: Callable[[Any, RetrievalSetup], Any],
+    replacements: dict[str, Callable[[Any, RetrievalSetup], Any]],
     after_init: Callable[[Any], None] | None = None,
 ) -> None:
-    """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, the
-    module's ``name`` is ``replacement(stock, setup)``; it is restored right
-    after, so the stock object is untouched and ``isinstance`` checks keep
-    working. The runner keeps the setup in ``SETUP_ATTRIBUTE``."""
+    """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, each
+    module global ``name`` is ``replacements[name](stock, setup)``; they are
+    restored right after, so the stock objects are untouched and
+    ``isinstance`` checks keep working. The runner keeps the setup in
+    ``SETUP_ATTRIBUTE``."""
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
@@ -215,12 +226,14 @@ def _swap_while_runner_is_built(
                 return original(self, vllm_config, *args, **kwargs)
             _add_worker_metrics_method()
             setattr(self, SETUP_ATTRIBUTE, setup)
-            stock = getattr(module, name)
-            setattr(module, name, replacement(stock, setup))
+            stock = {name: getattr(module, name) for name in replacements}
+            for name, replacement in replacements.items():
+                setattr(module, name, replacement(stock[name], setup))
             try:
                 original(self, vllm_config, *args, **kwargs)
             finally:
-                setattr(module, name, stock)
+                for name, value in stock.items():
+                    setattr(module, name, value)
             if after_init is not None:
                 after_init(self)
 

@@ -62,7 +62,8 @@ def test_chunk_size_not_whole_blocks_fails(target_model, draft_model):
 
 
 def test_spec_extend_without_draft_model_fails(target_model):
-    with pytest.raises(SpecExtendConfigError, match=r"needs draft-model speculative decoding.*got method=None"):
+    with pytest.raises(SpecExtendConfigError, match=r"needs speculative decoding whose drafter "
+                       r"attends to the KV cache.*got method=None"):
         engine_config(target_model, spec_extend={})
 
 
@@ -194,3 +195,51 @@ def test_compact_positions_cap_prompt_chunks_or_refuse_a_larger_user_budget(targ
     # Stock engines keep vLLM's budget.
     stock = engine_config(target_model, speculative_config=capped_draft(1024)(draft_model))
     assert stock.scheduler_config.max_num_batched_tokens > 512
+
+
+def eagle_config(target_model, kind, tmp_path=None, drop_aux_layers=False, **kwargs):
+    from tests.eagle_heads import build_eagle_head
+    from tests.tiny_models import TARGET_LLAMA
+
+    head = build_eagle_head(TARGET_LLAMA, kind)
+    if drop_aux_layers:
+        # The head without its aux layer ids: vLLM falls back to its default.
+        import json
+        import shutil
+
+        copy = tmp_path / "head"
+        shutil.copytree(head, copy)
+        config = json.loads((copy / "config.json").read_text())
+        config.pop("eagle_aux_hidden_state_layer_ids", None)
+        config.pop("eagle_config", None)
+        (copy / "config.json").write_text(json.dumps(config))
+        head = copy
+    return engine_config(target_model, spec_extend={}, speculative_config={
+        "method": kind, "model": str(head), "num_speculative_tokens": 3}, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_heads_are_accepted(target_model, kind):
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    setup = resolve_setup(eagle_config(target_model, kind))
+    assert setup.method == kind and not setup.compact_positions
+
+
+def test_eagle3_aux_layers_that_repeat_are_refused(target_model, tmp_path):
+    # vLLM's default (2, L // 2, L - 3) on a 4-layer target is (2, 2, 1).
+    with pytest.raises(SpecExtendConfigError, match=r"aux hidden-state layers \(2, 2, 1\) "
+                       r"\(vLLM's default.*not distinct.*eagle_aux_hidden_state_layer_ids"):
+        eagle_config(target_model, "eagle3", tmp_path, drop_aux_layers=True)
+
+
+def test_eagle_heads_in_model_runner_v2_are_refused(target_model, monkeypatch):
+    from tests.drafters.test_mrv2_draft_model import simulate_gpu
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    config = eagle_config(target_model, "eagle3")
+    simulate_gpu(monkeypatch, v2_env=True)
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"method='eagle3' runs in vLLM's V1 model runner only so far.*"
+                             r"Unset VLLM_USE_V2_MODEL_RUNNER"):
+        resolve_setup(config)

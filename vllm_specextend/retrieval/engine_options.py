@@ -19,6 +19,12 @@ from vllm_specextend.log import plugin_logger
 
 logger = plugin_logger(__name__)
 
+DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
+"""Speculative methods whose drafter attends to the KV cache retrieval compacts:
+a draft model, or an EAGLE head whose attention layer shares the target's KV
+cache group. (``mtp`` layers would too; not enabled before a test covers them.)"""
+EAGLE_METHODS = ("eagle", "eagle3")
+
 SETUP_ATTRIBUTE = "_spec_extend_setup"
 """Where an engine or model runner keeps its resolved :class:`RetrievalSetup`."""
 
@@ -28,6 +34,8 @@ class RetrievalSetup:
     """An engine's ``spec_extend`` options, validated against its vLLM config."""
 
     config: SpecExtendConfig
+    method: str
+    """vLLM's speculative method (one of ``DRAFT_METHODS``)."""
     draft_window: int
     """Positions the draft may run at (its ``max_model_len`` after capping)."""
     target_max_model_len: int
@@ -56,12 +64,13 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     if not config.enabled:
         return None
     spec = vllm_config.speculative_config
-    if spec is None or not spec.uses_draft_model():
-        method = None if spec is None else spec.method
+    method = speculative_method(spec)
+    if method not in DRAFT_METHODS:
         raise SpecExtendConfigError(
-            "spec_extend needs draft-model speculative decoding: pass "
-            "speculative_config={'method': 'draft_model', 'model': DRAFT, "
-            f"'num_speculative_tokens': K}} (got method={method!r})"
+            "spec_extend needs speculative decoding whose drafter attends to the KV "
+            f"cache: speculative_config method one of {list(DRAFT_METHODS)}, e.g. "
+            "{'method': 'draft_model', 'model': DRAFT, 'num_speculative_tokens': K} "
+            f"(got method={method!r})"
         )
     if spec.parallel_drafting:
         raise SpecExtendConfigError(
@@ -74,6 +83,8 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     ):
         _check_full_attention(role, model_config)
     _check_kv_cache_reaches_tap(vllm_config)
+    if method == "eagle3":
+        _check_eagle3_aux_layers(vllm_config)
     block_size = vllm_config.cache_config.block_size
     compact = uses_compact_positions(vllm_config, config)
     if block_size is not None:
@@ -81,6 +92,12 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         if compact:
             _check_compact_positions(vllm_config, config, block_size)
     if vllm_config.use_v2_model_runner:
+        if method in EAGLE_METHODS:
+            raise SpecExtendConfigError(
+                f"spec_extend with method={method!r} runs in vLLM's V1 model runner "
+                "only so far, but this engine selected Model Runner V2. Unset "
+                "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+            )
         if compact:
             raise SpecExtendConfigError(
                 "spec_extend's compact draft positions (a draft window of "
@@ -96,6 +113,7 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         )
     return RetrievalSetup(
         config=config,
+        method=method,
         draft_window=draft_window(vllm_config),
         target_max_model_len=vllm_config.model_config.max_model_len,
         num_speculative_tokens=spec.num_speculative_tokens,
@@ -104,11 +122,17 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     )
 
 
+def speculative_method(spec: Any) -> str | None:
+    """vLLM's speculative method, ``draft_model`` for a draft model."""
+    if spec is None:
+        return None
+    return "draft_model" if spec.uses_draft_model() else spec.method
+
+
 def requests_spec_extend(vllm_config: Any) -> bool:
     """Whether the engine asks for retrieval (options are validated later)."""
     options = spec_extend_options(getattr(vllm_config, "additional_config", None))
-    spec = vllm_config.speculative_config
-    if options is None or spec is None or not spec.uses_draft_model():
+    if options is None or speculative_method(vllm_config.speculative_config) not in DRAFT_METHODS:
         return False
     try:
         return SpecExtendConfig.from_dict(options).enabled
@@ -237,3 +261,27 @@ def _check_full_attention(role: str, model_config: Any) -> None:
         f"draft, but the {role} model {model_config.model} uses {kind}, whose KV "
         "cache it cannot compact. Use full-attention models, or remove spec_extend."
     )
+
+
+def _check_eagle3_aux_layers(vllm_config: Any) -> None:
+    """Refuse EAGLE-3 aux hidden-state layers the target cannot provide:
+    vLLM keeps each id once, so a repeated id (its default ``(2, L // 2, L - 3)``
+    on a 4-layer target) starves the head's input layer at the first step."""
+    hf_config = vllm_config.speculative_config.draft_model_config.hf_config
+    ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    eagle_config = getattr(hf_config, "eagle_config", None)
+    if not ids and isinstance(eagle_config, dict):
+        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    source = "the head's eagle_aux_hidden_state_layer_ids"
+    if not ids:
+        ids = (2, num_layers // 2, num_layers - 3)
+        source = "vLLM's default (2, L // 2, L - 3)"
+    ids = tuple(ids)
+    if len(set(ids)) != len(ids) or not all(0 <= i <= num_layers for i in ids):
+        raise SpecExtendConfigError(
+            f"EAGLE-3 aux hidden-state layers {ids} ({source}) are not distinct layer "
+            f"ids in 0..{num_layers} for this {num_layers}-layer target, so the head "
+            "would get fewer hidden states than it was trained on. Set "
+            "eagle_aux_hidden_state_layer_ids in the head's config.json."
+        )

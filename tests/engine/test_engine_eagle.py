@@ -1,0 +1,157 @@
+"""Engine tests: EAGLE heads (``eagle``, ``eagle3``, from ``tests/eagle_heads.py``)
+with SpecExtend in vLLM's V1 runner.
+
+A head's first pass reuses the target's positions and attention metadata and
+its attention layer shares the target's block table, so the head gets the
+compacted table at every build. Greedy outputs stay the target's; keeping
+everything is stock drafting; a head whose window is shorter than the inputs
+drafts for every row at compact positions, where stock vLLM makes no drafter
+call for the whole batch.
+"""
+
+import pytest
+
+from tests.engine_utils import (
+    SMALL_CACHE,
+    corpus_prompts,
+    engine,
+    generate_greedy,
+    run_engine,
+    spec_decode_counters,
+)
+from tests.eagle_heads import build_eagle_head, build_trained_eagle_head
+from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 32
+LENGTHS = [150, 1200, 3000, 600]
+WINDOW = 512
+# sink 32 + 2 chunks of 32 + recent 256 (+31) + 4 x 4 queries + 3 = 402 <= 512.
+WINDOW_OPTIONS = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256,
+                  "min_context_tokens": 512}
+
+
+@pytest.fixture(scope="module")
+def prompts(target_model):
+    return corpus_prompts(target_model, LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def target_alone(target_reference, target_model, prompts):
+    return target_reference(target_model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_cmr_with_a_head_equals_target_alone(kind, target_model, prompts, target_alone):
+    head = build_eagle_head(TARGET_LLAMA, kind)
+    run = run_engine(target_model, prompts, MAX_TOKENS, draft=head, method=kind,
+                     spec_extend=SMALL_CACHE, enable_prefix_caching=True, repeat=2)
+    assert run.token_ids == target_alone * 2
+    assert run.retrieval["retrievals"] > 0
+    assert run.retrieval["kept_fraction"] < 0.3
+
+
+def test_keeping_everything_is_stock_eagle3(target_model, prompts):
+    head = build_eagle_head(TARGET_LLAMA, "eagle3")
+    stock = run_engine(target_model, prompts, MAX_TOKENS, draft=head, method="eagle3")
+    everything = run_engine(target_model, prompts, MAX_TOKENS, draft=head, method="eagle3",
+                            spec_extend={"top_k_chunks": 100_000, "min_context_tokens": 0})
+    assert stock.retrieval is None
+    assert everything.token_ids == stock.token_ids
+    assert everything.spec_decode == stock.spec_decode
+    assert everything.retrieval["retrievals"] > 0
+    assert everything.retrieval["kept_fraction"] == 1.0
+
+
+def _record_head_calls(worker) -> None:
+    """Count the drafter's ``propose`` calls and the highest position the head runs at."""
+    drafter = worker.model_runner.drafter
+    drafter._test_log = {"propose_calls": 0, "max_position": -1}
+    propose = drafter.propose
+
+    def counting_propose(*args, **kwargs):
+        drafter._test_log["propose_calls"] += 1
+        return propose(*args, **kwargs)
+
+    def record_positions(module, args, kwargs):
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if positions is not None and positions.numel():
+            log = drafter._test_log
+            log["max_position"] = max(log["max_position"], int(positions.max()))
+
+    drafter.propose = counting_propose
+    drafter.model.register_forward_pre_hook(record_positions, with_kwargs=True)
+
+
+def _head_calls(worker) -> dict:
+    return dict(worker.model_runner.drafter._test_log)
+
+
+@pytest.fixture(scope="module")
+def damped_target():
+    return build_damped_attention_copy(TARGET_LLAMA, 0.05)
+
+
+@pytest.fixture(scope="module")
+def short_window_head(damped_target):
+    return build_trained_eagle_head(damped_target, kind="eagle3", window=WINDOW)
+
+
+@pytest.mark.parametrize("spec_extend", [None, WINDOW_OPTIONS], ids=["stock", "cmr"])
+def test_short_window_head_drafts_every_row_at_compact_positions(
+    spec_extend, damped_target, short_window_head, target_reference
+):
+    prompts = corpus_prompts(damped_target, [1500, 3000, 2200, 1800])
+    reference = target_reference(damped_target, prompts, MAX_TOKENS)
+    with engine(damped_target, short_window_head, method="eagle3",
+                spec_extend=spec_extend) as llm:
+        llm.collective_rpc(_record_head_calls)
+        outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+        calls = llm.collective_rpc(_head_calls)[0]
+        counters = spec_decode_counters(llm)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    if spec_extend is None:
+        # vLLM's batch-wide gate: past the head's window nobody drafts (its
+        # counters still count K phantom drafts per step).
+        assert calls["propose_calls"] == 0
+        return
+    assert calls["propose_calls"] >= MAX_TOKENS // 4
+    assert 0 <= calls["max_position"] < WINDOW
+    acceptance = counters["num_accepted_tokens"] / counters["num_draft_tokens"]
+    assert acceptance > 0.2
+
+
+def test_preemption_and_aborts_with_an_eagle3_head(target_model, target_reference):
+    from tests.engine.test_engine_faults import settle_and_count, tokens
+    from tests.engine_utils import greedy, retrieval_metrics
+
+    head = build_eagle_head(TARGET_LLAMA, "eagle3")
+    prompts = corpus_prompts(target_model, [600, 650, 700, 750])
+    reference = target_reference(target_model, prompts, 200)
+    # Per token: the target's 4 layers and the head's 1 x (K, V) x 2 heads x
+    # 32 dims x fp32 = 2,560 bytes, plus the tap's 256: 96 blocks of 32 tokens
+    # hold the four prompts but not their 800 generated tokens on top.
+    kv_bytes = 96 * 32 * (2048 + 512 + 256)
+    with engine(target_model, head, method="eagle3", spec_extend=SMALL_CACHE,
+                kv_cache_memory_bytes=kv_bytes, max_model_len=3000) as llm:
+        assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 96
+        outputs = llm.generate([tokens(p) for p in prompts], greedy(200), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        assert [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"][0] > 0
+        # Abort one of two long requests mid-decode; the other is unchanged.
+        engine_core = llm.llm_engine
+        for i, prompt in enumerate(prompts[2:]):
+            engine_core.add_request(f"abort-{i}", tokens(prompt), greedy(200))
+        for _ in range(100):
+            engine_core.step()
+            if retrieval_metrics(llm)["tracked_requests"] == 2:
+                break
+        engine_core.abort_request(["abort-0"])
+        finished = {}
+        while engine_core.has_unfinished_requests():
+            for output in engine_core.step():
+                if output.finished:
+                    finished[output.request_id] = list(output.outputs[0].token_ids)
+        assert finished == {"abort-1": reference[3]}
+        assert settle_and_count(llm) == 0
