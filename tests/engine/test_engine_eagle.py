@@ -42,11 +42,14 @@ def target_alone(target_reference, target_model, prompts):
     return target_reference(target_model, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_cmr_with_a_head_equals_target_alone(kind, target_model, prompts, target_alone):
+@pytest.mark.parametrize("kind,mode", [("eagle", "cmr"), ("eagle3", "cmr"),
+                                       ("eagle3", "streaming")])
+def test_retrieval_with_a_head_equals_target_alone(kind, mode, target_model, prompts,
+                                                   target_alone):
     head = build_eagle_head(TARGET_LLAMA, kind)
     run = run_engine(target_model, prompts, MAX_TOKENS, draft=head, method=kind,
-                     spec_extend=SMALL_CACHE, enable_prefix_caching=True, repeat=2)
+                     spec_extend={**SMALL_CACHE, "mode": mode}, enable_prefix_caching=True,
+                     repeat=2)
     assert run.token_ids == target_alone * 2
     assert run.retrieval["retrievals"] > 0
     assert run.retrieval["kept_fraction"] < 0.3
@@ -155,3 +158,82 @@ def test_preemption_and_aborts_with_an_eagle3_head(target_model, target_referenc
                     finished[output.request_id] = list(output.outputs[0].token_ids)
         assert finished == {"abort-1": reference[3]}
         assert settle_and_count(llm) == 0
+
+
+def _install_poisoning(worker) -> None:
+    """Record the head's drafts; before each proposal, optionally overwrite
+    the head's KV in the blocks retrieval evicted (or kept) for each row with
+    large noise, and restore it after the proposal."""
+    import torch
+
+    drafter = worker.model_runner.drafter
+    drafter._test = {"mode": "none", "drafts": [], "poisoned_blocks": 0}
+    build, propose = drafter.build_per_group_and_layer_attn_metadata, drafter.propose
+    layers = list(drafter.retrieval.draft_layers.values())
+    saved = []
+
+    def poison(cad):
+        view, mode = drafter._draft_view, drafter._test["mode"]
+        if view is None or mode == "none":
+            return
+        block_size = drafter.retrieval.block_size
+        seq_lens, removed = cad.seq_lens.tolist(), view.removed_tokens.tolist()
+        for row in range(cad.num_reqs):
+            if removed[row] == 0:
+                continue
+            used = -(-seq_lens[row] // block_size)
+            original = set(cad.block_table_tensor[row, :used].tolist())
+            kept = view.block_table[row, : used - removed[row] // block_size].tolist()
+            # Kept: the chunks before the recent window (never the query's blocks).
+            blocks = original - set(kept) if mode == "evicted" else set(kept[1:-3])
+            for layer in layers:
+                for block in blocks:
+                    saved.append((layer.kv_cache, block, layer.kv_cache[block].clone()))
+                    layer.kv_cache[block] = torch.randn_like(layer.kv_cache[block]) * 100
+            drafter._test["poisoned_blocks"] += len(blocks)
+
+    def poisoning_build(cad, draft_index=0):
+        if draft_index == 0:
+            poison(cad)
+        return build(cad, draft_index)
+
+    def recording_propose(*args, **kwargs):
+        try:
+            drafts = propose(*args, **kwargs)
+        finally:
+            while saved:
+                cache, block, original = saved.pop()
+                cache[block] = original
+        drafter._test["drafts"].append(drafts.tolist())
+        return drafts
+
+    drafter.build_per_group_and_layer_attn_metadata = poisoning_build
+    drafter.propose = recording_propose
+
+
+def _poison(worker, mode: str) -> None:
+    worker.model_runner.drafter._test.update(mode=mode, drafts=[], poisoned_blocks=0)
+
+
+def _poisoning_record(worker) -> dict:
+    return dict(worker.model_runner.drafter._test)
+
+
+def test_the_head_reads_only_the_blocks_retrieval_keeps(target_model, target_reference):
+    head = build_eagle_head(TARGET_LLAMA, "eagle3")
+    prompts = corpus_prompts(target_model, [1200, 3000])
+    reference = target_reference(target_model, prompts, MAX_TOKENS)
+    records = {}
+    with engine(target_model, head, method="eagle3", spec_extend=SMALL_CACHE,
+                enable_prefix_caching=False) as llm:
+        llm.collective_rpc(_install_poisoning)
+        for mode in ("none", "evicted", "kept"):
+            llm.collective_rpc(_poison, args=(mode,))
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+            records[mode] = llm.collective_rpc(_poisoning_record)[0]
+    clean, evicted, kept = records["none"], records["evicted"], records["kept"]
+    assert evicted["poisoned_blocks"] > 0 and kept["poisoned_blocks"] > 0
+    # Noise in evicted blocks never reaches a draft; noise in kept ones does.
+    assert evicted["drafts"] == clean["drafts"]
+    assert kept["drafts"] != clean["drafts"]
