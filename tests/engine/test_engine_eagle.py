@@ -25,6 +25,7 @@ from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 32
+BLOCK_SIZE = 32  # DEFAULT_ENGINE_KWARGS
 LENGTHS = [150, 1200, 3000, 600]
 WINDOW = 512
 # sink 32 + 2 chunks of 32 + recent 256 (+31) + 4 x 4 queries + 3 = 402 <= 512.
@@ -166,9 +167,24 @@ def _install_poisoning(worker) -> None:
     large noise, and restore it after the proposal."""
     import torch
 
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
     drafter = worker.model_runner.drafter
-    drafter._test = {"mode": "none", "drafts": [], "poisoned_blocks": 0}
+    drafter._test = {"mode": "none", "drafts": [], "poisoned_blocks": 0, "builds": []}
     build, propose = drafter.build_per_group_and_layer_attn_metadata, drafter.propose
+    stock_build = SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata
+
+    def capturing_build(self, cad, draft_index=0):
+        """What vLLM's metadata build receives for the head's first pass."""
+        if self is drafter and draft_index == 0 and drafter._draft_view is not None:
+            n = cad.num_reqs
+            drafter._test["builds"][-1]["head"] = (cad.seq_lens[:n].tolist(),
+                                                   cad.block_table_tensor[:n].tolist())
+        return stock_build(self, cad, draft_index)
+
+    SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata = capturing_build
+    drafter._test_restore = lambda: setattr(
+        SpecDecodeBaseProposer, "build_per_group_and_layer_attn_metadata", stock_build)
     layers = list(drafter.retrieval.draft_layers.values())
     saved = []
 
@@ -194,6 +210,9 @@ def _install_poisoning(worker) -> None:
 
     def poisoning_build(cad, draft_index=0):
         if draft_index == 0:
+            n = cad.num_reqs
+            drafter._test["builds"].append({"target": (cad.seq_lens[:n].tolist(),
+                                                       cad.block_table_tensor[:n].tolist())})
             poison(cad)
         return build(cad, draft_index)
 
@@ -212,7 +231,11 @@ def _install_poisoning(worker) -> None:
 
 
 def _poison(worker, mode: str) -> None:
-    worker.model_runner.drafter._test.update(mode=mode, drafts=[], poisoned_blocks=0)
+    worker.model_runner.drafter._test.update(mode=mode, drafts=[], poisoned_blocks=0, builds=[])
+
+
+def _remove_capture(worker) -> None:
+    worker.model_runner.drafter._test_restore()
 
 
 def _poisoning_record(worker) -> dict:
@@ -232,7 +255,24 @@ def test_the_head_reads_only_the_blocks_retrieval_keeps(target_model, target_ref
             outputs = generate_greedy(llm, prompts, MAX_TOKENS)
             assert [list(o.outputs[0].token_ids) for o in outputs] == reference
             records[mode] = llm.collective_rpc(_poisoning_record)[0]
+        llm.collective_rpc(_remove_capture)
     clean, evicted, kept = records["none"], records["evicted"], records["kept"]
+    # The head's metadata (captured as vLLM's builder receives it): on rows
+    # retrieval compacted, fewer tokens and a subsequence of the blocks, in
+    # order, ending with the query's block.
+    compacted = 0
+    for build in clean["builds"]:
+        if "head" not in build:
+            continue
+        for (full_len, full_row), (head_len, head_row) in zip(zip(*build["target"]),
+                                                               zip(*build["head"])):
+            full_blocks = full_row[: -(-full_len // BLOCK_SIZE)]
+            head_blocks = head_row[: -(-head_len // BLOCK_SIZE)]
+            assert head_len <= full_len and head_blocks[-1] == full_blocks[-1]
+            position = iter(full_blocks)
+            assert all(block in position for block in head_blocks)  # in order
+            compacted += head_len < full_len
+    assert compacted > 0
     assert evicted["poisoned_blocks"] > 0 and kept["poisoned_blocks"] > 0
     # Noise in evicted blocks never reaches a draft; noise in kept ones does.
     assert evicted["drafts"] == clean["drafts"]
