@@ -201,10 +201,9 @@ class TargetAloneReference:
 
     def __init__(self, max_live_engines: int = 3) -> None:
         self.max_live_engines = max_live_engines
-        self._engines: dict[str, contextlib.ExitStack] = {}
-        self._llms: dict[str, Any] = {}
+        # Live engines by target, least recently used first.
+        self._engines: dict[str, tuple[contextlib.ExitStack, Any]] = {}
         self._memo: dict[str, dict[tuple[int, ...], list[int]]] = {}
-        self.engine_starts = 0
 
     def __call__(self, target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         memo = self._memo.setdefault(str(target), {})
@@ -218,24 +217,22 @@ class TargetAloneReference:
 
     def _llm(self, target: Path):
         key = str(target)
-        if key not in self._llms:
-            while len(self._llms) >= self.max_live_engines:
-                self._close(next(iter(self._llms)))
+        if key not in self._engines:
+            while len(self._engines) >= self.max_live_engines:
+                self._close(next(iter(self._engines)))
             stack = contextlib.ExitStack()
             # A process of its own: in-process engines that start and stop
             # meanwhile set up and tear down the process's distributed state.
-            self._llms[key] = stack.enter_context(engine(target, multiprocessing=True))
-            self._engines[key] = stack
-            self.engine_starts += 1
-        self._llms[key] = self._llms.pop(key)  # most recently used last
-        return self._llms[key]
+            llm = stack.enter_context(engine(target, multiprocessing=True))
+            self._engines[key] = (stack, llm)
+        self._engines[key] = self._engines.pop(key)  # most recently used last
+        return self._engines[key][1]
 
     def _close(self, key: str) -> None:
-        self._llms.pop(key)
-        self._engines.pop(key).close()
+        self._engines.pop(key)[0].close()
 
     def close(self) -> None:
-        for key in list(self._llms):
+        for key in list(self._engines):
             self._close(key)
 
 

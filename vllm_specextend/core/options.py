@@ -129,7 +129,6 @@ class SpecExtendConfig:
             return max(1, DEFAULT_RETRIEVED_TOKENS // chunk_size)
         return self.top_k_chunks
 
-
     def uses_compact_positions(self, draft_window: int, target_max_model_len: int) -> bool:
         """Whether drafting runs at compact positions, ``auto`` resolved.
 

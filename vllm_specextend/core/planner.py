@@ -33,6 +33,7 @@ from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
 
+
 @dataclass
 class PlanningBatch:
     """One verification step of the target, as the planner needs it.

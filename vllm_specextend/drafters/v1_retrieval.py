@@ -35,6 +35,7 @@ from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
+
 class V1Retrieval:
     """Mixin for a ``SpecDecodeBaseProposer`` subclass: put it first."""
 

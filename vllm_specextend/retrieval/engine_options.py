@@ -38,7 +38,6 @@ class RetrievalSetup:
     """vLLM's speculative method (one of ``DRAFT_METHODS``)."""
     draft_window: int
     """Positions the draft may run at (its ``max_model_len`` after capping)."""
-    target_max_model_len: int
     num_speculative_tokens: int
     """The configured K (a step may draft fewer: vLLM's K by batch size)."""
     compact_positions: bool
@@ -115,7 +114,6 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         config=config,
         method=method,
         draft_window=draft_window(vllm_config),
-        target_max_model_len=vllm_config.model_config.max_model_len,
         num_speculative_tokens=spec.num_speculative_tokens,
         compact_positions=compact,
         steps_in_flight=vllm_config.max_concurrent_batches,

@@ -85,12 +85,15 @@ class DraftRetrieval:
         self.draft_layers: dict[str, torch.nn.Module] = {}
         self.kv_cache_gid = -1
         self.block_size = -1
-        self.tap: TargetAttentionTap | None = None
         self.kv_copy: DraftKVCopy | None = None
 
     @property
     def config(self) -> SpecExtendConfig:
         return self.planner.config
+
+    @property
+    def tap(self) -> TargetAttentionTap | None:
+        return self.planner.tap
 
     @property
     def compact_positions(self) -> bool:
@@ -141,10 +144,10 @@ class DraftRetrieval:
         self.kv_cache_gid = self.kv_cache_group(kv_cache_config)
         self.block_size = block_size
         num_slots = kv_cache_config.num_blocks * block_size
-        self.tap = tap_target_layer(
+        tap = tap_target_layer(
             self.target_layer, num_slots, self.max_num_tokens, self.dtype, self.device
         )
-        self.planner.bind_kv_cache(self.tap, block_size)
+        self.planner.bind_kv_cache(tap, block_size)
         config = self.config
         logger.info(
             "SpecExtend: %d-token chunks, top %d chunks + %d sink + %d recent tokens",
