@@ -79,7 +79,8 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
            speculative_config_extra: dict | None = None, multiprocessing: bool = False,
            method: str = "draft_model", **overrides):
     """An ``LLM``; ``draft`` is a draft model or, with ``method`` ``eagle`` /
-    ``eagle3``, a head; ``draft_window`` caps its window (speculative
+    ``eagle3``, a head (``mtp`` needs none: the target carries its layers);
+    ``draft_window`` caps its window (speculative
     ``max_model_len``), which makes SpecExtend draft at compact positions;
     ``speculative_config_extra`` adds other speculative options;
     ``multiprocessing`` runs the engine core in a process of its own."""
@@ -87,12 +88,10 @@ def engine(target: Path, draft: Path | None = None, k: int = 3,
     from vllm import LLM
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **overrides}
-    if draft is not None:
-        kwargs["speculative_config"] = {
-            "method": method,
-            "model": str(draft),
-            "num_speculative_tokens": k,
-        }
+    if draft is not None or method == "mtp":
+        kwargs["speculative_config"] = {"method": method, "num_speculative_tokens": k}
+        if draft is not None:
+            kwargs["speculative_config"]["model"] = str(draft)
         if draft_window is not None:
             kwargs["speculative_config"]["max_model_len"] = draft_window
         kwargs["speculative_config"].update(speculative_config_extra or {})

@@ -231,6 +231,59 @@ def build_short_window_copy(source: Path, window: int) -> Path:
     return _atomic_build(target, build)
 
 
+def build_mtp_target(spec: TinyModelSpec, num_mtp_layers: int = 1) -> Path:
+    """``spec``'s Qwen2 model as a MiMo target (``MiMoForCausalLM``) with
+    ``num_mtp_layers`` random multi-token-prediction layers, for ``method:
+    mtp``. Its base layers are ``spec``'s, so its greedy outputs are those of
+    ``build_model(spec)``."""
+    if spec.architecture != "qwen2":
+        raise ValueError("a MiMo MTP target is a Qwen2 model")
+    source = build_model(spec)
+    target = cache_root() / f"mimo-mtp-{_key({**asdict(spec), 'mtp': num_mtp_layers})}"
+
+    def build(out: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config.update(architectures=["MiMoForCausalLM"],
+                      num_nextn_predict_layers=num_mtp_layers)
+        config_path.write_text(json.dumps(config, indent=2))
+        # vLLM's MiMo MTP layer (model_executor/models/mimo_mtp.py): norms of
+        # the token embedding and of the target's hidden state, a projection
+        # of their concatenation, one Qwen2 decoder layer, a final norm.
+        weights = load_file(out / "model.safetensors")
+        hidden, inter = spec.hidden_size, spec.intermediate_size
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        shapes = {
+            "input_proj.weight": (hidden, 2 * hidden),
+            "self_attn.q_proj.weight": (q_size, hidden),
+            "self_attn.q_proj.bias": (q_size,),
+            "self_attn.k_proj.weight": (kv_size, hidden),
+            "self_attn.k_proj.bias": (kv_size,),
+            "self_attn.v_proj.weight": (kv_size, hidden),
+            "self_attn.v_proj.bias": (kv_size,),
+            "self_attn.o_proj.weight": (hidden, q_size),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        }
+        generator = torch.Generator().manual_seed(spec.seed + 100)
+        for layer in range(num_mtp_layers):
+            prefix = f"model.mtp_layers.{layer}."
+            for name, shape in shapes.items():
+                weights[prefix + name] = (
+                    torch.randn(shape, generator=generator) * spec.initializer_range)
+            for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm",
+                         "input_layernorm", "post_attention_layernorm"):
+                weights[f"{prefix}{norm}.weight"] = torch.ones(hidden)
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+    return _atomic_build(target, build)
+
+
 if __name__ == "__main__":
     for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
         print(build_model(s))

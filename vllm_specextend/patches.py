@@ -13,7 +13,7 @@ options every wrapper calls straight through.
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
-  MRV2 adapter, with a warning.
+  MRV2 adapters, with a warning.
 - ``GPUModelRunner.__init__`` of the V1 runner (the CPU runner is its
   subclass): while a runner with ``spec_extend`` is built, the runner
   module's ``DraftModelProposer`` and ``EagleProposer`` are our adapters,
@@ -22,7 +22,7 @@ options every wrapper calls straight through.
   batch-wide ``_input_fits_in_drafter`` gate is replaced: every row drafts.
   The CPU rejection sampler's ``expand_kernel`` is fixed (below).
 - ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
-  ``init_speculator`` returning our speculator.
+  ``init_speculator`` returning our speculator for the engine's method.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
   figures from the worker into Prometheus first (``metrics.py``); the worker
   gains ``spec_extend_metrics`` for ``collective_rpc``.
@@ -158,7 +158,7 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
             logger.info_once(
                 "SpecExtend: retrieval runs in vLLM's V1 model runner; "
                 "VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2 "
-                "(SpecExtendARSpeculator, not yet run on a GPU)."
+                "(its SpecExtend speculators have not run on a GPU yet)."
             )
             return False
 
@@ -198,10 +198,19 @@ def _patch_model_runner_init(module: ModuleType) -> None:
 
 def _patch_model_runner_v2_init(module: ModuleType) -> None:
     def speculator_factory(stock: Callable, setup: RetrievalSetup) -> Callable:
-        from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+        if setup.method == "draft_model":
+            from vllm_specextend.drafters.mrv2_draft_model import (
+                SpecExtendARSpeculator as speculator,
+            )
+        elif setup.method == "mtp":
+            from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator as speculator
+        else:
+            from vllm_specextend.drafters.mrv2_eagle import (
+                SpecExtendEagleSpeculator as speculator,
+            )
 
         def init_speculator(vllm_config, device, req_states):
-            return SpecExtendARSpeculator(vllm_config, device, setup=setup)
+            return speculator(vllm_config, device, setup=setup)
 
         return init_speculator
 

@@ -52,11 +52,8 @@ def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
     simulate_gpu(monkeypatch, v2_env=True)
     assert ours.use_v2_model_runner
     assert resolve_setup(ours) is not None  # the MRV2 adapter takes it
-    with pytest.raises(SpecExtendConfigError,
-                       match=r"compact draft positions \(a draft window of 1024 positions for "
-                             r"a target max_model_len of 2048\) run in vLLM's V1 model runner "
-                             r"only.*Unset VLLM_USE_V2_MODEL_RUNNER"):
-        resolve_setup(capped)
+    assert capped.use_v2_model_runner
+    assert resolve_setup(capped).compact_positions
 
 
 def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
@@ -239,6 +236,57 @@ def test_dummy_runs_and_short_batches_draft_stock(speculator, monkeypatch):
                                        torch.zeros(1, dtype=torch.int64), dummy_run)
         assert all(torch.equal(b["block_table"], table[:1]) for b in builds)
         assert builds[0]["seq_lens"][0] == batch.seq_lens[0] + 1
+
+
+def test_compact_positions_shift_each_token_by_its_row(target_model, draft_model, monkeypatch):
+    """A 1024-position draft: every draft forward (step 0's expanded rows,
+    then one token per row) runs at original position minus its row's
+    removed tokens, rows read from the draft's query start locations."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
+        StandaloneARSpeculator,
+    )
+
+    from tests.retrieval.test_engine_options import capped_draft
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+
+    config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,
+                           max_model_len=4096, max_num_batched_tokens=512,
+                           speculative_config=capped_draft(1024)(draft_model))
+    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec.draft_attn_layer_names = {DRAFT_LAYER}
+    draft_layer = FakeAttention()
+    draft_layer.kv_cache = torch.zeros(1)
+    spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: draft_layer},
+                          spec.draft_attn_layer_names)
+    monkeypatch.setattr(speculator_module, "init_attn_backend",
+                        lambda *args, **kwargs: ([], {}, None))
+    with set_current_vllm_config(config):
+        spec.model = torch.nn.ModuleDict({"rotary": get_rope(FakeAttention.head_size, 4096)})
+    block_tables = types.SimpleNamespace(
+        num_kv_cache_groups=1, block_sizes=[BLOCK_SIZE],
+        input_block_tables=[torch.zeros(4, 4096 // BLOCK_SIZE, dtype=torch.int32)])
+    kv_cache_config = types.SimpleNamespace(
+        num_blocks=512,
+        kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
+    spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    assert spec.retrieval.compact_positions
+    seen = []
+    monkeypatch.setattr(StandaloneARSpeculator, "_run_model",
+                        lambda self, input_ids, positions, *args: seen.append(positions.clone()))
+    spec._removed_tokens[:2] = torch.tensor([2000, 0])
+    spec._num_rows = 2
+    # Step 0: K + 1 tokens and the correction token per row.
+    spec.input_buffers.query_start_loc[:3] = torch.tensor([0, 5, 10])
+    spec._run_model(torch.zeros(10), torch.cat((torch.arange(3000, 3005),
+                                                torch.arange(500, 505))), None, None, None)
+    # A decode step: one token per row.
+    spec.input_buffers.query_start_loc[:3] = torch.tensor([0, 1, 2])
+    spec._run_model(torch.zeros(2), torch.tensor([3005, 505]), None, None, None)
+    assert seen[0].tolist() == list(range(1000, 1005)) + list(range(500, 505))
+    assert seen[1].tolist() == [1005, 505]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

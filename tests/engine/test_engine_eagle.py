@@ -1,5 +1,5 @@
 """Engine tests: EAGLE heads (``eagle``, ``eagle3``, from ``tests/eagle_heads.py``)
-with SpecExtend in vLLM's V1 runner.
+and MTP layers (``mtp``, a tiny MiMo target) with SpecExtend in vLLM's V1 runner.
 
 A head's first pass reuses the target's positions and attention metadata and
 its attention layer shares the target's block table, so the head gets the
@@ -20,7 +20,13 @@ from tests.engine_utils import (
     spec_decode_counters,
 )
 from tests.eagle_heads import build_eagle_head, build_trained_eagle_head
-from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+from tests.tiny_models import (
+    TARGET_LLAMA,
+    TARGET_QWEN2,
+    build_damped_attention_copy,
+    build_model,
+    build_mtp_target,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -33,22 +39,27 @@ WINDOW_OPTIONS = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256,
                   "min_context_tokens": 512}
 
 
+def drafting(method: str) -> tuple:
+    """(engine target, the same target without drafting layers, head, K/V
+    layers of the target) for ``method``: a head for the tiny Llama target, or
+    the MTP layer of a MiMo target whose base is the tiny Qwen2."""
+    if method == "mtp":
+        return build_mtp_target(TARGET_QWEN2), build_model(TARGET_QWEN2), None, 3
+    return build_model(TARGET_LLAMA), build_model(TARGET_LLAMA), \
+        build_eagle_head(TARGET_LLAMA, method), 4
+
+
 @pytest.fixture(scope="module")
 def prompts(target_model):
     return corpus_prompts(target_model, LENGTHS)
 
 
-@pytest.fixture(scope="module")
-def target_alone(target_reference, target_model, prompts):
-    return target_reference(target_model, prompts, MAX_TOKENS)
-
-
 @pytest.mark.parametrize("kind,mode", [("eagle", "cmr"), ("eagle3", "cmr"),
-                                       ("eagle3", "streaming")])
-def test_retrieval_with_a_head_equals_target_alone(kind, mode, target_model, prompts,
-                                                   target_alone):
-    head = build_eagle_head(TARGET_LLAMA, kind)
-    run = run_engine(target_model, prompts, MAX_TOKENS, draft=head, method=kind,
+                                       ("eagle3", "streaming"), ("mtp", "cmr")])
+def test_retrieval_with_a_head_equals_target_alone(kind, mode, prompts, target_reference):
+    target, base, head, _ = drafting(kind)
+    target_alone = target_reference(base, prompts, MAX_TOKENS)
+    run = run_engine(target, prompts, MAX_TOKENS, draft=head, method=kind,
                      spec_extend={**SMALL_CACHE, "mode": mode}, enable_prefix_caching=True,
                      repeat=2)
     assert run.token_ids == target_alone * 2
@@ -126,18 +137,19 @@ def test_short_window_head_drafts_every_row_at_compact_positions(
     assert acceptance > 0.2
 
 
-def test_preemption_and_aborts_with_an_eagle3_head(target_model, target_reference):
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_preemption_and_aborts_with_a_head(method, target_reference):
     from tests.engine.test_engine_faults import settle_and_count, tokens
     from tests.engine_utils import greedy, retrieval_metrics
 
-    head = build_eagle_head(TARGET_LLAMA, "eagle3")
-    prompts = corpus_prompts(target_model, [600, 650, 700, 750])
-    reference = target_reference(target_model, prompts, 200)
-    # Per token: the target's 4 layers and the head's 1 x (K, V) x 2 heads x
-    # 32 dims x fp32 = 2,560 bytes, plus the tap's 256: 96 blocks of 32 tokens
-    # hold the four prompts but not their 800 generated tokens on top.
-    kv_bytes = 96 * 32 * (2048 + 512 + 256)
-    with engine(target_model, head, method="eagle3", spec_extend=SMALL_CACHE,
+    target, base, head, num_layers = drafting(method)
+    prompts = corpus_prompts(target, [600, 650, 700, 750])
+    reference = target_reference(base, prompts, 200)
+    # Per token: the target's layers and the head's 1 x (K, V) x 2 heads x
+    # 32 dims x fp32 = 512 bytes each, plus the tap's 256: 96 blocks of 32
+    # tokens hold the four prompts but not their 800 generated tokens on top.
+    kv_bytes = 96 * 32 * ((num_layers + 1) * 512 + 256)
+    with engine(target, head, method=method, spec_extend=SMALL_CACHE,
                 kv_cache_memory_bytes=kv_bytes, max_model_len=3000) as llm:
         assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 96
         outputs = llm.generate([tokens(p) for p in prompts], greedy(200), use_tqdm=False)
@@ -242,12 +254,13 @@ def _poisoning_record(worker) -> dict:
     return dict(worker.model_runner.drafter._test)
 
 
-def test_the_head_reads_only_the_blocks_retrieval_keeps(target_model, target_reference):
-    head = build_eagle_head(TARGET_LLAMA, "eagle3")
-    prompts = corpus_prompts(target_model, [1200, 3000])
-    reference = target_reference(target_model, prompts, MAX_TOKENS)
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_the_head_reads_only_the_blocks_retrieval_keeps(method, target_reference):
+    target, base, head, _ = drafting(method)
+    prompts = corpus_prompts(target, [1200, 3000])
+    reference = target_reference(base, prompts, MAX_TOKENS)
     records = {}
-    with engine(target_model, head, method="eagle3", spec_extend=SMALL_CACHE,
+    with engine(target, head, method=method, spec_extend=SMALL_CACHE,
                 enable_prefix_caching=False) as llm:
         llm.collective_rpc(_install_poisoning)
         for mode in ("none", "evicted", "kept"):

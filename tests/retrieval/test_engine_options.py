@@ -233,13 +233,17 @@ def test_eagle3_aux_layers_that_repeat_are_refused(target_model, tmp_path):
         eagle_config(target_model, "eagle3", tmp_path, drop_aux_layers=True)
 
 
-def test_eagle_heads_in_model_runner_v2_are_refused(target_model, monkeypatch):
+def test_mtp_designs_with_drafters_of_their_own_are_refused_in_model_runner_v2(monkeypatch):
     from tests.drafters.test_mrv2_draft_model import simulate_gpu
+    from tests.tiny_models import TARGET_QWEN2, build_mtp_target
     from vllm_specextend.retrieval.engine_options import resolve_setup
 
-    config = eagle_config(target_model, "eagle3")
+    two_layers = build_mtp_target(TARGET_QWEN2, num_mtp_layers=2)
+    config = engine_config(two_layers, spec_extend={}, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 2})
+    assert resolve_setup(config).method == "mtp"  # V1: one EagleProposer
     simulate_gpu(monkeypatch, v2_env=True)
     with pytest.raises(SpecExtendConfigError,
-                       match=r"method='eagle3' runs in vLLM's V1 model runner only so far.*"
-                             r"Unset VLLM_USE_V2_MODEL_RUNNER"):
+                       match=r"does not support multi-module MTP in Model Runner V2.*"
+                             r"or vLLM's V1 model runner"):
         resolve_setup(config)

@@ -5,6 +5,9 @@ overrides (``mrv2_retrieval.py``)."""
 
 from __future__ import annotations
 
+import torch
+from typing_extensions import override
+
 from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
     StandaloneARSpeculator,
 )
@@ -15,3 +18,8 @@ from vllm_specextend.drafters.mrv2_retrieval import MRV2Retrieval
 class SpecExtendARSpeculator(MRV2Retrieval, StandaloneARSpeculator):
     """What MRV2 builds instead of ``StandaloneARSpeculator`` when an engine
     has ``spec_extend`` options."""
+
+    @override
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, *args, **kwargs):
+        positions = self._draft_positions(positions, positions.shape[0])
+        return super()._run_model(input_ids, positions, *args, **kwargs)

@@ -1,26 +1,37 @@
-"""Retrieval in Model Runner V2 (vLLM's default GPU runner): the overrides a
-speculator needs, over MRV2's shared buffers.
+"""Retrieval in Model Runner V2 (vLLM's default GPU runner): the overrides every
+MRV2 speculator shares, over MRV2's shared buffers.
 
 :class:`MRV2Retrieval` is mixed in before the stock speculator class and
 changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
   attention layer;
-- ``set_attn`` binds it to the KV cache (tap);
+- ``set_attn`` binds it to the KV cache (tap) and allocates the compacted
+  block table, once;
 - ``propose`` plans, per request, the KV blocks the draft keeps, from MRV2's
-  ``InputBatch``;
-- ``_build_attn_metadata`` hands the draft's attention builders the compacted
-  block table and shortened ``seq_lens``, at step 0 and at every draft step,
-  through a one-build overlay of ``input_buffers`` / ``block_tables``.
+  ``InputBatch``, and stages them in persistent buffers (the compacted block
+  table, the tokens each row drops);
+- every draft attention metadata build (``_build_attn_metadata``) reads the
+  compacted block table and ``seq_lens`` minus the dropped tokens, through a
+  one-build overlay of ``input_buffers`` / ``block_tables``;
+- the fused decode path's in-place update (``_update_draft_decode_metadata``)
+  recomputes the compacted lengths from the lengths it advanced, so they never
+  go stale, inside captured CUDA graphs too.
 
-Slot mappings come from MRV2's per-request block tables, so KV writes, like
-the target's verification, are stock: outputs are exactly the target's.
-Compact draft positions run in the V1 runner only; engine construction
-refuses them with Model Runner V2.
+- with compact draft positions, each adapter's ``_run_model`` runs the draft
+  at ``_draft_positions`` (original minus the row's removed tokens).
+
+The buffers are staged on every step (a plain copy of the block table when
+nothing is compacted), so a graph captured over them replays the right view.
+Slot mappings come from MRV2's per-request block tables and its own position
+buffers, so KV writes, like the target's verification, are stock: outputs are
+exactly the target's.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,11 +44,12 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_specextend.core.planner import DraftView, PlanningBatch
+from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.retrieval.engine_options import RetrievalSetup, resolve_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
-class _Overlay:
+class Overlay:
     """``base`` with some attributes replaced, for one attention metadata build."""
 
     def __init__(self, base: Any, **replaced: Any) -> None:
@@ -62,17 +74,26 @@ class MRV2Retrieval:
             setup or resolve_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
-            max_num_tokens=self.max_num_tokens,
+            # A draft model's step 0 adds a correction token per row.
+            max_num_tokens=self.max_num_tokens + self.max_num_reqs,
             dtype=self.dtype,
             device=device,
         )
         self._draft_view: DraftView | None = None
-        # What the draft's attention reads while a view is active.
-        self._removed_tokens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
+        # What the draft's attention reads, staged every step. One extra
+        # zero: the row of padding tokens.
+        self._removed_tokens_by_row = torch.zeros(
+            self.max_num_reqs + 1, dtype=torch.int32, device=device
+        )
+        self._removed_tokens = self._removed_tokens_by_row[: self.max_num_reqs]
         self._compact_seq_lens = torch.zeros(
             self.max_num_reqs, dtype=torch.int32, device=device
         )
         self._compact_block_table: torch.Tensor | None = None
+        self._compact_block_tables: list[torch.Tensor] = []
+        # Rows of this step (graphs capture the whole buffer, which MRV2's
+        # kernels pad in order).
+        self._num_rows = self.max_num_reqs
 
     # ---- set-up -----------------------------------------------------------
 
@@ -101,8 +122,12 @@ class MRV2Retrieval:
             target_attn_groups,
         )
         gid = self.retrieval.kv_cache_group(kv_cache_config)
-        self.retrieval.bind_kv_cache(kv_cache_config, block_tables.block_sizes[gid])
+        self.retrieval.bind_kv_cache(
+            kv_cache_config, block_tables.block_sizes[gid], getattr(self, "model", None)
+        )
         self._compact_block_table = torch.zeros_like(block_tables.input_block_tables[gid])
+        self._compact_block_tables = list(block_tables.input_block_tables)
+        self._compact_block_tables[gid] = self._compact_block_table
 
     # ---- the seam into drafting ------------------------------------------
 
@@ -120,8 +145,11 @@ class MRV2Retrieval:
         dummy_run: bool = False,
         **kwargs,
     ) -> torch.Tensor:
+        view = None
         if not dummy_run:
-            self._activate(self.retrieval.plan(self.planning_batch(input_batch, num_rejected)))
+            view = self.retrieval.plan(self.planning_batch(input_batch, num_rejected))
+        self._activate(view)
+        self._num_rows = input_batch.num_reqs
         try:
             return super().propose(
                 input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -130,6 +158,7 @@ class MRV2Retrieval:
             )
         finally:
             self._draft_view = None
+            self._num_rows = self.max_num_reqs
 
     def planning_batch(self, input_batch, num_rejected: torch.Tensor) -> PlanningBatch:
         """This step as the planner sees it, from MRV2's ``InputBatch``."""
@@ -150,31 +179,77 @@ class MRV2Retrieval:
         )
 
     def _activate(self, view: DraftView | None) -> None:
-        """Stage ``view`` in the buffers the metadata builds will read."""
-        self._draft_view = view
-        if view is None:
-            return
+        """Stage ``view`` (None: nothing compacted) in the persistent buffers
+        the draft's metadata builds and captured graphs read."""
         assert self._compact_block_table is not None
-        num_rows = view.removed_tokens.shape[0]
+        self._draft_view = view
         gid = self.retrieval.kv_cache_gid
         self._compact_block_table.copy_(self.block_tables.input_block_tables[gid])
-        self._compact_block_table[:num_rows] = view.block_table
         self._removed_tokens.zero_()
+        if view is None:
+            return
+        num_rows = view.removed_tokens.shape[0]
+        self._compact_block_table[:num_rows] = view.block_table
         self._removed_tokens[:num_rows] = view.removed_tokens
+
+    def _refresh_compact_seq_lens(self) -> None:
+        """Compacted lengths from the stock ones (which draft steps advance in
+        place): one device op over persistent buffers, safe in a graph."""
+        torch.sub(self.input_buffers.seq_lens, self._removed_tokens, out=self._compact_seq_lens)
+
+    def _compacted_block_tables(self) -> Overlay:
+        """``block_tables`` whose gathered tables are the compacted ones; slot
+        mappings still come from the per-request tables (stock)."""
+        compact_tables = self._compact_block_tables
+        return Overlay(
+            self.block_tables,
+            input_block_tables=compact_tables,
+            get_dummy_block_tables=lambda num_reqs: tuple(
+                table[:num_reqs].zero_() for table in compact_tables
+            ),
+        )
+
+    def _compacted_input_buffers(self) -> Overlay:
+        """``input_buffers`` whose ``seq_lens`` are the compacted ones: for
+        metadata builds only (draft steps advance the stock lengths)."""
+        return Overlay(self.input_buffers, seq_lens=self._compact_seq_lens)
+
+    @contextlib.contextmanager
+    def _reading_compacted(self, input_buffers: bool = True) -> Iterator[None]:
+        """Within: ``block_tables`` (and ``input_buffers``) are the compacted overlays."""
+        stock_buffers, stock_tables = self.input_buffers, self.block_tables
+        self.block_tables = self._compacted_block_tables()
+        if input_buffers:
+            self.input_buffers = self._compacted_input_buffers()
+        try:
+            yield
+        finally:
+            self.input_buffers, self.block_tables = stock_buffers, stock_tables
+
+    def _draft_positions(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The positions the draft runs at. With compact positions: each
+        token's original position minus its row's removed tokens, rows read
+        from the draft's ``query_start_loc`` (step 0 and the decode steps both
+        set it), clamped into the draft's window for padding tokens. Device
+        ops on persistent buffers only, so graphs capture them; the plain
+        draft KV copy reads the same positions."""
+        kv_copy = self.retrieval.kv_copy
+        if kv_copy is None:
+            return positions[:num_tokens]
+        rows = token_rows(self.input_buffers.query_start_loc[: self._num_rows + 1], num_tokens)
+        out = kv_copy.token_positions[:num_tokens]
+        torch.sub(positions[:num_tokens], self._removed_tokens_by_row[rows], out=out)
+        return out.clamp_(0, self.retrieval.draft_window - 1)
 
     @override
     def _build_attn_metadata(self, *args, **kwargs) -> dict[str, Any] | None:
-        if self._draft_view is None:
+        self._refresh_compact_seq_lens()
+        with self._reading_compacted():
             return super()._build_attn_metadata(*args, **kwargs)
-        # Draft steps advance input_buffers.seq_lens in place before each
-        # build; the compacted lengths follow them.
-        torch.sub(self.input_buffers.seq_lens, self._removed_tokens, out=self._compact_seq_lens)
-        tables = list(self.block_tables.input_block_tables)
-        tables[self.retrieval.kv_cache_gid] = self._compact_block_table
-        stock_buffers, stock_tables = self.input_buffers, self.block_tables
-        self.input_buffers = _Overlay(stock_buffers, seq_lens=self._compact_seq_lens)
-        self.block_tables = _Overlay(stock_tables, input_block_tables=tables)
-        try:
-            return super()._build_attn_metadata(*args, **kwargs)
-        finally:
-            self.input_buffers, self.block_tables = stock_buffers, stock_tables
+
+    @override
+    def _update_draft_decode_metadata(self, attn_metadata: dict[str, Any], num_reqs: int) -> None:
+        # The metadata holds the compacted lengths' buffer; the stock lengths
+        # just advanced.
+        self._refresh_compact_seq_lens()
+        super()._update_draft_decode_metadata(attn_metadata, num_reqs)

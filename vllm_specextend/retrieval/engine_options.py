@@ -19,11 +19,10 @@ from vllm_specextend.log import plugin_logger
 
 logger = plugin_logger(__name__)
 
-DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
+DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 """Speculative methods whose drafter attends to the KV cache retrieval compacts:
-a draft model, or an EAGLE head whose attention layer shares the target's KV
-cache group. (``mtp`` layers would too; not enabled before a test covers them.)"""
-EAGLE_METHODS = ("eagle", "eagle3")
+a draft model, or an EAGLE head or MTP layer whose attention layer shares the
+target's KV cache group."""
 
 SETUP_ATTRIBUTE = "_spec_extend_setup"
 """Where an engine or model runner keeps its resolved :class:`RetrievalSetup`."""
@@ -84,6 +83,8 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     _check_kv_cache_reaches_tap(vllm_config)
     if method == "eagle3":
         _check_eagle3_aux_layers(vllm_config)
+    if method == "mtp":
+        _check_mtp(spec, vllm_config.use_v2_model_runner)
     block_size = vllm_config.cache_config.block_size
     compact = uses_compact_positions(vllm_config, config)
     if block_size is not None:
@@ -91,24 +92,10 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         if compact:
             _check_compact_positions(vllm_config, config, block_size)
     if vllm_config.use_v2_model_runner:
-        if method in EAGLE_METHODS:
-            raise SpecExtendConfigError(
-                f"spec_extend with method={method!r} runs in vLLM's V1 model runner "
-                "only so far, but this engine selected Model Runner V2. Unset "
-                "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
-            )
-        if compact:
-            raise SpecExtendConfigError(
-                "spec_extend's compact draft positions (a draft window of "
-                f"{draft_window(vllm_config)} positions for a target max_model_len of "
-                f"{vllm_config.model_config.max_model_len}) run in vLLM's V1 model "
-                "runner only, but this engine selected Model Runner V2. Unset "
-                "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
-            )
         logger.warning_once(
-            "SpecExtend: Model Runner V2 selected; retrieval runs in "
-            "SpecExtendARSpeculator, which is unit-tested on CPU but has not been "
-            "run on a GPU yet. Unset VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
+            "SpecExtend: Model Runner V2 selected; retrieval runs in its SpecExtend "
+            "speculators, which are unit-tested on CPU but have not been run on a "
+            "GPU yet. Unset VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
         )
     return RetrievalSetup(
         config=config,
@@ -125,6 +112,27 @@ def speculative_method(spec: Any) -> str | None:
     if spec is None:
         return None
     return "draft_model" if spec.uses_draft_model() else spec.method
+
+
+def _check_mtp(spec: Any, use_v2_model_runner: bool) -> None:
+    """MTP layers with their own attention over the target's KV cache group run
+    in vLLM's EAGLE drafters; other MTP designs have drafters of their own."""
+    own_drafter = {
+        "use_gemma4_mtp": "Gemma4 MTP (query-only layers that read the target's KV)",
+        "use_step3p5_mtp": "Step-3.5 MTP",
+    }
+    if use_v2_model_runner:
+        own_drafter["use_multi_module_mtp"] = (
+            "multi-module MTP in Model Runner V2 (more than one MTP layer drafting)"
+        )
+    for check, name in own_drafter.items():
+        if getattr(spec, check, lambda: False)():
+            raise SpecExtendConfigError(
+                f"spec_extend does not support {name}: it runs in a drafter of its "
+                "own, which retrieval does not hook. Remove spec_extend, or use a "
+                "single-layer MTP model"
+                + (" or vLLM's V1 model runner" if use_v2_model_runner else "") + "."
+            )
 
 
 def requests_spec_extend(vllm_config: Any) -> bool:
