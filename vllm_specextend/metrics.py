@@ -31,6 +31,14 @@ _GAUGES = {
     "mean_acceptance_length": "Mean tokens per verification of retrieval-served requests.",
     "tracked_requests": "Requests holding per-request retrieval state now.",
 }
+_CONTROL_COUNTERS = {
+    "drafted_request_steps": "Goodput control: request-steps with at least one draft.",
+    "paused_request_steps": "Goodput control: request-steps without drafts (paused).",
+    "probes": "Goodput control: drafts planned to re-measure a paused request.",
+    "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "
+                              "draft's forward did not run.",
+    "catch_up_tokens": "Goodput control: tokens the draft caught up after skipped forwards.",
+}
 _HISTOGRAMS = {
     "request_kept_fraction": "Per finished request: kept tokens / context tokens.",
     "request_acceptance_length": "Per finished request: mean tokens per verification.",
@@ -90,6 +98,10 @@ class SpecExtendCollector:
             for model, snap in snapshots.items():
                 family.add_metric([model], snap[key])
             yield family
+        controlled = {model: snap["control"] for model, snap in snapshots.items()
+                      if snap.get("control") is not None}
+        if controlled:
+            yield from _control_families(controlled, CounterMetricFamily)
         for key, doc in _HISTOGRAMS.items():
             family = HistogramMetricFamily(f"vllm:spec_extend_{key}", doc, labels=["model_name"])
             for model, snap in snapshots.items():
@@ -99,6 +111,21 @@ class SpecExtendCollector:
                     [model], list(zip(bounds, hist["cumulative_counts"])), hist["sum"]
                 )
             yield family
+
+
+def _control_families(controlled: dict[str, dict[str, Any]], counter: Any) -> Iterator[Any]:
+    for key, doc in _CONTROL_COUNTERS.items():
+        family = counter(f"vllm:spec_extend_control_{key}", doc, labels=["model_name"])
+        for model, control in controlled.items():
+            family.add_metric([model], control[key])
+        yield family
+    family = counter("vllm:spec_extend_control_chosen_draft_length",
+                     "Goodput control: request-steps by the number of drafts chosen.",
+                     labels=["model_name", "draft_length"])
+    for model, control in controlled.items():
+        for length, count in enumerate(control["chosen_draft_lengths"]):
+            family.add_metric([model, str(length)], count)
+    yield family
 
 
 _collector: SpecExtendCollector | None = None

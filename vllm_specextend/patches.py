@@ -9,7 +9,8 @@ options every wrapper calls straight through.
   ``spec_extend`` options (``retrieval/engine_options.py``) when the engine
   (``LLM(...)``, ``vllm serve``) is built, before any model loads; with
   compact draft positions and no user ``max_num_batched_tokens``, caps prompt
-  chunks at half the draft's window.
+  chunks at half the draft's window; with goodput control and no user
+  ``async_scheduling``, selects the synchronous scheduler.
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -20,6 +21,8 @@ options every wrapper calls straight through.
   restored right after (the stock classes stay untouched and ``isinstance``
   checks keep working). Its
   batch-wide ``_input_fits_in_drafter`` gate is replaced: every row drafts.
+  ``_get_draft_token_ids_cpu`` cuts each request's drafts to its goodput
+  plan (only with ``speculation_control``).
   The CPU rejection sampler's ``expand_kernel`` is fixed (below).
 - ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
   ``init_speculator`` returning our speculator for the engine's method.
@@ -55,6 +58,7 @@ from vllm_specextend.post_import import when_imported
 from vllm_specextend.retrieval.engine_options import (
     SETUP_ATTRIBUTE,
     RetrievalSetup,
+    controls_speculation,
     fit_prefill_chunks_to_draft_window,
     requests_spec_extend,
     resolve_setup,
@@ -134,6 +138,10 @@ def _check_engine_config(module: ModuleType, check: Callable[[Any, int | None], 
     def make_wrapper(original: Callable) -> Callable:
         def create_engine_config(self, *args, **kwargs):
             user_chunk_budget = self.max_num_batched_tokens
+            if self.async_scheduling is None and controls_speculation(self.additional_config):
+                # Goodput control decides each request's drafts after the
+                # drafter ran: the synchronous scheduler takes them as they are.
+                self.async_scheduling = False
             vllm_config = original(self, *args, **kwargs)
             check(vllm_config, user_chunk_budget)
             return vllm_config
@@ -194,6 +202,25 @@ def _patch_model_runner_init(module: ModuleType) -> None:
         {"DraftModelProposer": draft_model_proposer, "EagleProposer": eagle_proposer},
         every_row_drafts,
     )
+    wrap_once(module.GPUModelRunner, "_get_draft_token_ids_cpu", _keep_planned_drafts)
+
+
+def _keep_planned_drafts(stock: Callable) -> Callable:
+    """With goodput control, each request keeps the drafts its plan gives it
+    (the drafter ran for the longest); the scheduler then verifies only those."""
+
+    def _get_draft_token_ids_cpu(self):
+        draft_token_ids, req_ids = stock(self)
+        retrieval = getattr(getattr(self, "drafter", None), "retrieval", None)
+        control = getattr(retrieval, "control", None)
+        if control is None:
+            return draft_token_ids, req_ids
+        lengths = control.draft_lengths
+        return [
+            ids[: lengths.get(req_id, len(ids))] for ids, req_id in zip(draft_token_ids, req_ids)
+        ], req_ids
+
+    return _get_draft_token_ids_cpu
 
 
 def _patch_model_runner_v2_init(module: ModuleType) -> None:

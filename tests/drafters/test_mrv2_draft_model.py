@@ -10,7 +10,6 @@ import torch
 
 from tests.engine_utils import run_engine
 from tests.retrieval.test_engine_options import capped_draft, engine_config
-from vllm_specextend.core.options import SpecExtendConfigError
 from vllm_specextend.core.selection import rewrite_block_table
 
 K = 3

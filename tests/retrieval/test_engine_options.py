@@ -247,3 +247,54 @@ def test_mtp_designs_with_drafters_of_their_own_are_refused_in_model_runner_v2(m
                        match=r"does not support multi-module MTP in Model Runner V2.*"
                              r"or vLLM's V1 model runner"):
         resolve_setup(config)
+
+def test_goodput_control_selects_the_synchronous_scheduler(target_model, draft_model):
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    def args(spec_extend):
+        return EngineArgs(model=str(target_model), block_size=32, max_model_len=2048,
+                          enforce_eager=True, dtype="float32",
+                          speculative_config={"method": "draft_model", "model": str(draft_model),
+                                              "num_speculative_tokens": 3},
+                          additional_config={"spec_extend": spec_extend})
+
+    stock, goodput = args({}), args({"speculation_control": "goodput"})
+    stock.create_engine_config()
+    config = goodput.create_engine_config()
+    assert stock.async_scheduling is None  # vLLM decides, as without us
+    assert goodput.async_scheduling is False  # vLLM's synchronous scheduler
+    assert not config.scheduler_config.async_scheduling
+    assert resolve_setup(config).config.controls_speculation
+    # Control without retrieval: the whole cache, per-request draft lengths.
+    alone = engine_config(target_model, draft_model,
+                          spec_extend={"mode": "off", "speculation_control": "goodput"})
+    assert resolve_setup(alone) is not None and not resolve_setup(alone).config.retrieves
+    assert resolve_setup(engine_config(target_model, draft_model,
+                                       spec_extend={"mode": "off"})) is None
+
+
+def test_goodput_control_refuses_what_it_cannot_serve(target_model, draft_model, monkeypatch):
+    from tests.drafters.test_mrv2_draft_model import simulate_gpu
+
+    goodput = {"speculation_control": "goodput"}
+    with pytest.raises(SpecExtendConfigError, match=r"'speculation_control'='fast' is invalid; "
+                                                    r"allowed values: \['off', 'goodput'\]"):
+        engine_config(target_model, draft_model, spec_extend={"speculation_control": "fast"})
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    # A user's async_scheduling=True (the CPU platform turns it off itself).
+    config = engine_config(target_model, draft_model, spec_extend=goodput)
+    config.scheduler_config.async_scheduling = True
+    with pytest.raises(SpecExtendConfigError, match=r"needs vLLM's synchronous scheduler.*"
+                                                    r"Remove async_scheduling=True"):
+        resolve_setup(config)
+    with pytest.raises(SpecExtendConfigError, match=r"mode='off' cannot draft requests longer "
+                                                    r"than the draft's window \(1024 positions"):
+        engine_config(target_model, spec_extend={"mode": "off", **goodput},
+                      speculative_config=capped_draft(1024)(draft_model))
+    simulate_gpu(monkeypatch, v2_env=True)
+    with pytest.raises(SpecExtendConfigError, match=r"speculation_control='goodput' runs in "
+                                                    r"vLLM's V1 model runner only so far"):
+        engine_config(target_model, draft_model, spec_extend=goodput)

@@ -17,6 +17,7 @@ ADDITIONAL_CONFIG_KEY = "spec_extend"
 RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
 DraftPositions = Literal["auto", "original", "compact"]
+SpeculationControl = Literal["off", "goodput"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
 # pair at 4K: 512 tokens keep acceptance within 0-5% of the full cache while
@@ -79,10 +80,20 @@ class SpecExtendConfig:
     vLLM. ``auto``: ``compact`` when the draft's window (its ``max_model_len``)
     is shorter than the target's, else ``original``."""
 
+    speculation_control: SpeculationControl = "off"
+    """``goodput``: per step and per request, draft only as many tokens as are
+    expected to pay for their time (accepted tokens per second of the whole
+    batch, from step costs measured on this engine and each request's own
+    acceptance); a request may pause (no drafts) and is probed now and then.
+    When no request drafts, a draft model's forward is skipped and its KV
+    caught up when drafting resumes. Needs vLLM's synchronous scheduler.
+    ``off``: vLLM's K for every request."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, RetrievalMode)
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
+        _check_choice("speculation_control", self.speculation_control, SpeculationControl)
         if self.chunk_size is not None:
             _check_int("chunk_size", self.chunk_size, minimum=1)
         if self.top_k_chunks is not None:
@@ -94,7 +105,16 @@ class SpecExtendConfig:
 
     @property
     def enabled(self) -> bool:
+        """Whether SpecExtend's drafters are installed (retrieval or control)."""
+        return self.retrieves or self.controls_speculation
+
+    @property
+    def retrieves(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def controls_speculation(self) -> bool:
+        return self.speculation_control != "off"
 
     @classmethod
     def from_dict(cls, options: Any) -> SpecExtendConfig:

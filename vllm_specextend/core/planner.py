@@ -224,7 +224,7 @@ class RetrievalPlanner:
 
         Every request's selection is dropped and recomputed at its next step.
         """
-        if self.compact_positions and not config.enabled:
+        if self.compact_positions and not config.retrieves:
             raise ValueError("compact draft positions need retrieval (cmr or streaming)")
         self.config = config
         self.chunk_size = config.resolved_chunk_size(self.block_size)
@@ -236,7 +236,7 @@ class RetrievalPlanner:
 
     def plan(self, batch: PlanningBatch) -> DraftView | None:
         """The draft's view for this step, or None when every row sees all."""
-        if not self.config.enabled:
+        if not self.config.retrieves:
             self._forget_requests_not_in([])
             return None
         self._forget_requests_not_in(batch.req_ids)

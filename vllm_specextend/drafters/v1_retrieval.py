@@ -21,6 +21,7 @@ are exactly the target's.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 from typing_extensions import override
@@ -84,18 +85,80 @@ class V1Retrieval:
 
     @override
     def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
-        self._draft_view = self.retrieval.plan(
-            self.planning_batch(
-                cad=kwargs["common_attn_metadata"],
-                token_indices_to_sample=kwargs.get("token_indices_to_sample"),
-                target_positions=kwargs["target_positions"],
-            )
+        batch = self.planning_batch(
+            cad=kwargs["common_attn_metadata"],
+            token_indices_to_sample=kwargs.get("token_indices_to_sample"),
+            target_positions=kwargs["target_positions"],
         )
+        control = self.retrieval.control
+        if control is not None:
+            plan, runs = control.plan(batch.req_ids, batch.context_lens_cpu,
+                                      batch.query_lens_cpu, batch.prompt_lens_cpu)
+            num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
+            if not runs:
+                # Nobody drafts: no forward, no retrieval (caught up later).
+                return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
+                                   device=self.device)
+        self._draft_view = self.retrieval.plan(batch)
+        if control is not None and control.free_pause:
+            kwargs = self._with_catch_up(kwargs, batch)
         try:
             return super().propose(num_speculative_tokens, **kwargs)
         finally:
             self._draft_view = None
             self._position_shift.zero_()
+
+    def _with_catch_up(self, kwargs: dict, batch: PlanningBatch) -> dict:
+        """The first pass's inputs with, before each request's query, the
+        tokens verified while the draft's forward was skipped (its KV
+        frontier onwards): like a longer prompt chunk, their draft KV is
+        written and the drafts follow the query as usual."""
+        control = self.retrieval.control
+        num_rows = len(batch.req_ids)
+        context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
+        query_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
+        budget = self.max_num_tokens - int(query_lens.sum()) - 2 * num_rows
+        starts = control.catch_up_starts(batch.req_ids, context_lens, budget)
+        if starts is None:
+            return kwargs
+        gaps = context_lens - starts
+        cad = kwargs["common_attn_metadata"]
+        new_query_start = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(query_lens + gaps, out=new_query_start[1:])
+        num_tokens, num_gap_tokens = int(query_lens.sum()), int(gaps.sum())
+        # Per new token: its row, its index in the row, whether it catches up.
+        rows = np.repeat(np.arange(num_rows), query_lens + gaps)
+        in_row = np.arange(num_tokens + num_gap_tokens) - new_query_start[rows]
+        caught_up = in_row < gaps[rows]
+        gap_start = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(gaps, out=gap_start[1:])
+        query_start = new_query_start - np.concatenate(([0], np.cumsum(gaps)))
+        order = np.where(caught_up, num_tokens + gap_start[rows] + in_row,
+                         query_start[rows] + in_row - gaps[rows])
+        gap_rows = rows[caught_up]
+        gap_positions = starts[gap_rows] + in_row[caught_up]
+        gap_ids = self.runner.input_batch.token_ids_cpu[gap_rows, gap_positions]
+        device = self.device
+        order_gpu = torch.from_numpy(order).to(device, non_blocking=True)
+        token_ids = kwargs["target_token_ids"][:num_tokens]
+        positions = kwargs["target_positions"][:num_tokens]
+        kwargs = dict(kwargs)
+        kwargs["target_token_ids"] = torch.cat((
+            token_ids, torch.from_numpy(gap_ids).to(device, token_ids.dtype)))[order_gpu]
+        kwargs["target_positions"] = torch.cat((
+            positions, torch.from_numpy(gap_positions).to(device, positions.dtype)))[order_gpu]
+        # Rows vLLM pads the batch with keep an empty query.
+        padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
+        query_start_cpu = torch.from_numpy(np.concatenate(
+            (new_query_start, np.full(padding, new_query_start[-1]))).astype(np.int32))
+        kwargs["common_attn_metadata"] = cad.replace(
+            query_start_loc=query_start_cpu.to(device, non_blocking=True),
+            query_start_loc_cpu=query_start_cpu,
+            num_actual_tokens=num_tokens + num_gap_tokens,
+            max_query_len=int((query_lens + gaps).max()),
+            _num_computed_tokens_cache=None,
+        )
+        return kwargs
 
     def planning_batch(
         self,

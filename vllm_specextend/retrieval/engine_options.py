@@ -91,6 +91,16 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         config.resolved_chunk_size(block_size)
         if compact:
             _check_compact_positions(vllm_config, config, block_size)
+    if compact and not config.retrieves:
+        raise SpecExtendConfigError(
+            "spec_extend with mode='off' cannot draft requests longer than the "
+            f"draft's window ({draft_window(vllm_config)} positions; the target's "
+            f"max_model_len is {vllm_config.model_config.max_model_len}): compact "
+            "draft positions need retrieval. Use mode 'cmr' or 'streaming', or a "
+            "draft window as long as the target's."
+        )
+    if config.controls_speculation:
+        _check_speculation_control(vllm_config)
     if vllm_config.use_v2_model_runner:
         logger.warning_once(
             "SpecExtend: Model Runner V2 selected; retrieval runs in its SpecExtend "
@@ -112,6 +122,31 @@ def speculative_method(spec: Any) -> str | None:
     if spec is None:
         return None
     return "draft_model" if spec.uses_draft_model() else spec.method
+
+
+def _check_speculation_control(vllm_config: Any) -> None:
+    """Goodput control sets each request's number of drafts after the
+    drafter ran; vLLM's synchronous scheduler takes the drafts as they come."""
+    if vllm_config.scheduler_config.async_scheduling:
+        raise SpecExtendConfigError(
+            "spec_extend's speculation_control='goodput' needs vLLM's synchronous "
+            "scheduler (each request's number of drafts is decided after the "
+            "drafter runs; the async scheduler reserves K draft slots per request "
+            "one step ahead). Remove async_scheduling=True (--async-scheduling); "
+            "with it unset, SpecExtend selects the synchronous scheduler."
+        )
+    if vllm_config.use_v2_model_runner:
+        raise SpecExtendConfigError(
+            "spec_extend's speculation_control='goodput' runs in vLLM's V1 model "
+            "runner only so far, but this engine selected Model Runner V2. Unset "
+            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+        )
+
+
+def controls_speculation(additional_config: Any) -> bool:
+    """Whether the user's options ask for goodput control (before validation)."""
+    options = spec_extend_options(additional_config)
+    return isinstance(options, dict) and options.get("speculation_control", "off") != "off"
 
 
 def _check_mtp(spec: Any, use_v2_model_runner: bool) -> None:

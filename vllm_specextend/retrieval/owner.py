@@ -12,7 +12,8 @@ it at three points of its life:
   KV cache and re-position the working caches whose selection changed.
 
 It also answers the worker (memory outside the KV cache, metrics) and the
-benchmarks (``reconfigure``). Adapters only translate their runner's inputs
+benchmarks (``reconfigure``), and holds the engine's goodput control
+(``speculation_control.py``) when the options ask for it. Adapters only translate their runner's inputs
 into a :class:`PlanningBatch` and hand the view to their attention metadata.
 """
 
@@ -33,6 +34,7 @@ from vllm_specextend.retrieval.layer_hooks import (
     tap_bytes_per_token,
     tap_target_layer,
 )
+from vllm_specextend.retrieval.speculation_control import SpeculationControl
 
 logger = plugin_logger(__name__)
 
@@ -86,6 +88,14 @@ class DraftRetrieval:
         self.kv_cache_gid = -1
         self.block_size = -1
         self.kv_copy: DraftKVCopy | None = None
+        self.control: SpeculationControl | None = None
+        if setup.config.controls_speculation:
+            self.control = SpeculationControl(
+                max_num_reqs, setup.num_speculative_tokens,
+                # A draft model catches up from token ids; a head would need
+                # the target's hidden states of the skipped tokens.
+                free_pause=setup.method == "draft_model",
+            )
 
     @property
     def config(self) -> SpecExtendConfig:
@@ -237,7 +247,10 @@ class DraftRetrieval:
         self.planner.reconfigure(config)
 
     def metrics_snapshot(self) -> dict[str, object]:
-        return self.planner.metrics_snapshot()
+        snapshot = self.planner.metrics_snapshot()
+        if self.control is not None:
+            snapshot["control"] = self.control.metrics_snapshot()
+        return snapshot
 
 
 def draft_rotary_layout(draft_model: torch.nn.Module) -> RotaryLayout:

@@ -1,0 +1,159 @@
+"""The goodput controller (``core/goodput.py``) against simulated engines."""
+
+import numpy as np
+import pytest
+
+from vllm_specextend.core.goodput import (
+    FEATURES,
+    AcceptanceEstimates,
+    GoodputController,
+    StepCostModel,
+    choose_draft_lengths,
+    step_features,
+)
+
+K = 3
+
+
+def fitted(weights: dict[str, float]) -> StepCostModel:
+    """A cost model that has learnt ``weights`` (seconds per feature unit)."""
+    model = StepCostModel()
+    model.weights = np.array([weights.get(name, 0.0) for name in FEATURES])
+    model.observations = 100
+    return model
+
+
+def test_the_cost_model_learns_a_linear_step_cost():
+    truth = np.array([0.010, 0.001, 0.004, 0.002, 0.006, 0.0005])
+    model = StepCostModel(forgetting=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        requests = int(rng.integers(1, 16))
+        drafts = int(rng.integers(0, K + 1))
+        mixed = int(rng.integers(0, requests * drafts + 1))
+        features = step_features(requests, requests + mixed, int(rng.integers(0, 30000)),
+                                 drafts)
+        model.observe(features, float(features @ truth))
+    probe = step_features(8, 20, 16000, 2)
+    assert model.predict(probe) == pytest.approx(probe @ truth, rel=1e-3)
+    assert model.weights == pytest.approx(truth, rel=0.05, abs=1e-5)
+
+
+def test_drafting_that_does_not_pay_is_switched_off():
+    # A draft forward costs more than the target's step: even sure drafts
+    # cannot pay (k + 1 tokens for more than k + 1 steps' time).
+    expensive = fitted({"step": 0.05, "verified_tokens": 0.001, "draft_forwards": 0.06})
+    sure = np.ones((4, K))
+    plan = choose_draft_lengths(sure, np.ones(4, bool), expensive, 4, 8000)
+    assert plan.draft_steps == 0 and not plan.draft_lengths.any()
+    # A cheap draft: sure drafts pay at full K.
+    cheap = fitted({"step": 0.05, "verified_tokens": 0.001, "draft_forwards": 0.002})
+    plan = choose_draft_lengths(sure, np.ones(4, bool), cheap, 4, 8000)
+    assert plan.draft_steps == K and (plan.draft_lengths == K).all()
+
+
+def test_rows_draft_as_far_as_their_acceptance_pays():
+    # Verifying a token costs 10 ms on top of a 50 ms step: a position pays
+    # when its acceptance probability beats goodput x 10 ms.
+    model = fitted({"step": 0.05, "verified_tokens": 0.01, "draft_forwards": 0.001})
+    survival = np.cumprod(np.array([[0.95, 0.9, 0.9], [0.0, 0.0, 0.0], [0.9, 0.5, 0.1]]),
+                          axis=1)
+    plan = choose_draft_lengths(survival, np.ones(3, bool), model, 3, 3000)
+    assert plan.draft_lengths.tolist() == [3, 0, 1]
+    assert plan.draft_steps == 3
+
+    # The chosen plan beats every uniform one.
+    def goodput(lengths):
+        positions = np.arange(K)
+        gained = 3 + (survival * (positions < np.array(lengths)[:, None])).sum()
+        seconds = model.predict(step_features(3, 3 + sum(lengths), 3000, max(lengths)))
+        return gained / seconds
+    assert plan.expected_goodput == pytest.approx(goodput(plan.draft_lengths))
+    assert all(plan.expected_goodput >= goodput([k] * 3) for k in range(K + 1))
+
+
+def test_hysteresis_keeps_a_row_on_its_side_of_the_threshold():
+    model = fitted({"step": 0.05, "verified_tokens": 0.01, "draft_forwards": 0.001})
+    # The acceptance near the break-even point of the first position.
+    survival = np.zeros((2, K))
+    for rate in np.linspace(0.05, 0.6, 56):
+        survival[:, 0] = rate
+        plan = choose_draft_lengths(survival, np.array([True, False]), model, 2, 0)
+        if plan.draft_lengths[0] and not plan.draft_lengths[1]:
+            break
+    else:
+        pytest.fail("no acceptance keeps the drafting row but not the paused one")
+
+
+def test_acceptance_estimates_follow_each_position():
+    estimates = AcceptanceEstimates(max_requests=2, num_positions=K, smoothing=0.5, prior=0.5)
+    for _ in range(10):
+        # Row 0 always accepts the first draft and rejects the second.
+        estimates.observe(np.array([0]), np.array([K]), np.array([1]))
+    rates = estimates.rates[0]
+    assert rates[0] > 0.99 and rates[1] < 0.01
+    assert rates[2] == 0.5  # never tried: the second was always rejected
+    estimates.start(1)  # a new request starts from the engine's estimate
+    assert estimates.rates[1][0] > 0.99
+
+
+class SimulatedEngine:
+    """Step time and acceptance of a batch of decoding requests, as an engine
+    would show them to the controller."""
+
+    def __init__(self, controller, acceptance, step=0.05, per_token=0.005, draft_step=0.01):
+        self.controller = controller
+        self.acceptance = dict(acceptance)  # request -> acceptance per position
+        self.context = {r: 1000 for r in acceptance}
+        self.query = {r: 1 for r in acceptance}
+        self.costs = (step, per_token, draft_step)
+        self.now = 0.0
+        self.draft_forwards = 0
+        self.history = []
+
+    def step(self):
+        req_ids = list(self.acceptance)
+        context = np.array([self.context[r] for r in req_ids])
+        query = np.array([self.query[r] for r in req_ids])
+        step, per_token, draft_step = self.costs
+        self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
+        plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now)
+        self.draft_forwards = plan.draft_steps
+        for r, drafts in zip(req_ids, plan.draft_lengths):
+            # This step verifies the drafts of the previous plan.
+            verified = self.query[r] - 1
+            accepted = verified if self.acceptance[r] >= 0.5 else 0
+            self.context[r] += 1 + accepted
+            self.query[r] = 1 + int(drafts)
+        self.history.append(dict(zip(req_ids, plan.draft_lengths.tolist())))
+        return plan
+
+
+def test_a_request_whose_drafts_are_never_accepted_pauses_and_resumes_after_probing():
+    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
+                                   probe_interval=8)
+    engine = SimulatedEngine(controller, {"good": 1.0, "bad": 0.0})
+    for _ in range(40):
+        engine.step()
+    steady = engine.history[10:]
+    # "bad" pauses but for its probes; "good" drafts K but for exploration.
+    assert sum(h["bad"] == 0 for h in steady) >= 0.8 * len(steady)
+    assert sum(h["good"] == K for h in steady) >= len(steady) - 2
+    assert controller.stats.probes > 0
+    # The draft starts agreeing: the next probe sees it and the request resumes.
+    engine.acceptance["bad"] = 1.0
+    for _ in range(2 * 8):
+        engine.step()
+    assert engine.history[-1]["bad"] == K
+
+
+def test_drafting_stops_when_it_does_not_pay_for_anybody():
+    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True)
+    # Drafts are never accepted and a draft step costs as much as the
+    # target's: the target alone is faster.
+    engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0}, draft_step=0.05)
+    for _ in range(30):
+        engine.step()
+    steady = engine.history[8:]
+    assert sum(h["a"] == 0 and h["b"] == 0 for h in steady) >= len(steady) - 2
+    assert controller.stats.skipped_draft_forwards >= len(steady) - 2

@@ -1,0 +1,163 @@
+"""Engine tests: goodput control (``speculation_control: "goodput"``).
+
+A step in which nobody drafts skips the draft's forward; the tokens verified
+meanwhile are caught up by the next forward, so a draft equal to the target
+accepts every draft after a pause, as it does without pauses. The controller
+pauses a request whose drafts are never accepted and resumes it after a probe
+when they would be. Outputs stay the target's.
+"""
+
+import numpy as np
+import pytest
+
+from tests.engine_utils import (
+    SMALL_CACHE,
+    corpus_prompts,
+    counter_deltas,
+    engine,
+    generate_greedy,
+    spec_decode_counters,
+)
+
+pytestmark = pytest.mark.engine
+
+K = 3
+MAX_TOKENS = 48
+GOODPUT = {"speculation_control": "goodput"}
+# The whole cache (no retrieval): a draft equal to the target accepts everything.
+FULL_CACHE_GOODPUT = {"mode": "off", **GOODPUT}
+
+
+def _script_plans(worker, pause_from: int, pause_to: int) -> None:
+    """Every request drafts K, except for the plans ``pause_from`` up to
+    ``pause_to``: none drafts. Logs "T" per target forward, "D" per draft one."""
+    from vllm_specextend.core.goodput import DraftPlan
+
+    runner = worker.model_runner
+    controller = runner.drafter.retrieval.control.controller
+    stock_plan = controller.plan
+    runner._test = {"plans": 0, "log": []}
+
+    def scripted(req_ids, *args):
+        stock_plan(req_ids, *args)  # the controller's own bookkeeping
+        step = runner._test["plans"]
+        runner._test["plans"] += 1
+        k = 0 if pause_from <= step < pause_to else K
+        return DraftPlan(np.full(len(req_ids), k), k, 0.0)
+
+    controller.plan = scripted
+    if not getattr(runner, "_test_hooked", False):
+        runner._test_hooked = True
+        runner.model.register_forward_pre_hook(lambda *_: runner._test["log"].append("T"))
+        runner.drafter.model.register_forward_pre_hook(
+            lambda *_: runner._test["log"].append("D"))
+
+
+def _forward_log(worker) -> str:
+    return "".join(worker.model_runner._test["log"])
+
+
+def _skip_catch_up(worker) -> None:
+    worker.model_runner.drafter._with_catch_up = lambda kwargs, batch: kwargs
+
+
+def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, target_reference):
+    prompts = corpus_prompts(target_model, [300, 700, 1100, 1500])
+    reference = target_reference(target_model, prompts, MAX_TOKENS)
+    runs = {}
+    with engine(target_model, target_model, k=K, spec_extend=FULL_CACHE_GOODPUT) as llm:
+        assert not llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        for name in ("caught up", "not caught up"):
+            if name == "not caught up":
+                llm.collective_rpc(_skip_catch_up)
+            llm.collective_rpc(_script_plans, args=(4, 12))
+            before = spec_decode_counters(llm)
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+            runs[name] = (outputs, counter_deltas(spec_decode_counters(llm), before),
+                          llm.collective_rpc(_forward_log)[0])
+        control = llm.collective_rpc(_control)[0]
+    outputs, counters, log = runs["caught up"]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    # One target forward per step: prefill, 3 drafting steps, then 8 steps
+    # with no draft forward at all, then drafting again.
+    steps = log.split("T")[1:]
+    assert steps[:4] == ["D" * K] * 4
+    assert steps[4:12] == [""] * 8
+    assert steps[12] == "D" * K
+    # Every draft after the pause is accepted: the draft's KV is complete.
+    assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] > 0
+    assert control["catch_up_tokens"] > 0
+    # Without the catch-up the draft reads holes and misses.
+    outputs, counters, _ = runs["not caught up"]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
+
+
+def _simulate_device(worker, step: float, per_token: float, per_draft_forward: float) -> None:
+    """The controller's clock as a device with these costs would show it."""
+    control = worker.model_runner.drafter.retrieval.control
+    state = {"now": 0.0, "forwards": 0}
+    stock_plan = control.plan
+
+    def plan(req_ids, context_lens, query_lens, prompt_lens):
+        state["now"] += step + per_token * int(query_lens.sum()) + \
+            per_draft_forward * state["forwards"]
+        result, runs = stock_plan(req_ids, context_lens, query_lens, prompt_lens)
+        state["forwards"] = result.draft_steps if runs else 0
+        return result, runs
+
+    control.clock = lambda: state["now"]
+    control.plan = plan
+
+
+def _control(worker) -> dict:
+    return dict(worker.model_runner.drafter.retrieval.metrics_snapshot()["control"])
+
+
+def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
+    target_model, target_reference
+):
+    from benchmarks.worker_hooks import reconfigure_drafter
+
+    # A draft equal to the target: through a 3-block working cache of a
+    # random-attention target it is rarely right; with the whole cache, always.
+    blind = {**SMALL_CACHE, "top_k_chunks": 0, "recent_tokens": 32, "sink_tokens": 0,
+             "min_context_tokens": 0, **GOODPUT}
+    prompts = corpus_prompts(target_model, [600, 900])
+    reference = target_reference(target_model, prompts, 96)
+    with engine(target_model, target_model, k=K, spec_extend=blind) as llm:
+        # Verifying a token costs a fifth of a step, a draft forward a tenth:
+        # drafting pays when drafts are accepted.
+        llm.collective_rpc(_simulate_device, args=(0.010, 0.002, 0.001))
+        before = spec_decode_counters(llm)
+        outputs = generate_greedy(llm, prompts, 96)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        blind_acceptance = counter_deltas(spec_decode_counters(llm), before)
+        blind_run = llm.collective_rpc(_control)[0]
+        llm.collective_rpc(reconfigure_drafter, args=({**blind, "mode": "off"},))
+        outputs = generate_greedy(llm, corpus_prompts(target_model, [650, 950]), 96)
+        seeing_run = counter_deltas(llm.collective_rpc(_control)[0], blind_run)
+    assert blind_acceptance["num_accepted_tokens"] < 0.2 * blind_acceptance["num_draft_tokens"]
+    # Blind: paused but for warm-up, exploration and probes.
+    assert blind_run["paused_request_steps"] > 3 * blind_run["drafted_request_steps"]
+    assert blind_run["skipped_draft_forwards"] > 0 and blind_run["probes"] > 0
+    # Seeing: a probe finds the drafts right and the requests draft again.
+    assert seeing_run["drafted_request_steps"] > seeing_run["paused_request_steps"]
+    assert seeing_run["chosen_draft_lengths"][K] > seeing_run["chosen_draft_lengths"][0]
+
+
+@pytest.mark.parametrize("draft_window", [None, 1024], ids=["cmr", "compact"])
+def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target_model,
+                                                            draft_model, target_reference):
+    prompts = corpus_prompts(target_model, [150, 1200, 3000, 600])
+    reference = target_reference(target_model, prompts, MAX_TOKENS)
+    options = {**SMALL_CACHE, **GOODPUT}
+    if draft_window:
+        options.update(top_k_chunks=2, recent_tokens=256, min_context_tokens=512)
+    with engine(target_model, draft_model, k=K, spec_extend=options,
+                draft_window=draft_window, enable_prefix_caching=True) as llm:
+        for _ in range(2):
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        control = llm.collective_rpc(_control)[0]
+    assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0

@@ -1,0 +1,379 @@
+"""Per-request speculation lengths that maximise expected goodput.
+
+Goodput is accepted tokens per second of the whole batch. For the next
+verification step every request gets its own number of drafts ``K_r`` in
+``0..K``, from
+
+- a step-cost model learnt online on this engine (:class:`StepCostModel`):
+  seconds between two drafter calls, a linear function of what the step
+  verifies and drafts, fitted by exponentially weighted ridge regression;
+- per-request acceptance estimates (:class:`AcceptanceEstimates`): an EWMA of
+  each draft position's acceptance, from the verifications seen so far.
+
+The choice (:func:`choose_draft_lengths`) is a fractional programme solved by
+Dinkelbach's iteration for each possible number of draft steps ``D``: a
+request keeps draft position ``i`` when the probability that it is accepted
+(the product of the positions' rates up to ``i``) is worth more than the
+position's verification time at the batch's goodput. Hysteresis keeps rows from
+flapping and paused rows are probed periodically, so a request resumes when
+drafting would pay again.
+
+Pure numpy on the host: the inputs are per-request lengths the host already
+knows, so a decision adds no device sync. Everything here is independent of
+vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("step", "requests", "verified_tokens", "context_ktokens", "draft_forwards",
+            "draft_row_forwards")
+"""What one engine step costs, linearly: a fixed part, per request, per token
+verified (query tokens), per thousand context tokens attended, per draft
+forward and per request in each draft forward."""
+
+
+def step_features(
+    num_requests: int,
+    verified_tokens: int,
+    context_tokens: int,
+    draft_forwards: int,
+) -> np.ndarray:
+    """The cost features of one step (see ``FEATURES``)."""
+    return np.array(
+        [1.0, num_requests, verified_tokens, context_tokens / 1000.0, draft_forwards,
+         draft_forwards * num_requests],
+        dtype=np.float64,
+    )
+
+
+class StepCostModel:
+    """Seconds per engine step, ``features . weights``, learnt online.
+
+    Exponentially weighted ridge regression (recent steps count more; the
+    ridge term keeps unidentified weights at zero until the data tells them
+    apart). Weights are clipped at zero: no feature makes a step cheaper.
+    """
+
+    def __init__(self, forgetting: float = 0.98, ridge: float = 1e-6) -> None:
+        num = len(FEATURES)
+        self.forgetting = forgetting
+        self.ridge = ridge
+        self._gram = np.zeros((num, num))
+        self._moment = np.zeros(num)
+        self.weights = np.zeros(num)
+        self.observations = 0
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        self._gram = self.forgetting * self._gram + np.outer(features, features)
+        self._moment = self.forgetting * self._moment + features * seconds
+        self.observations += 1
+        # Scale the ridge with the data so it stays a tie-breaker.
+        scale = max(float(np.trace(self._gram)), 1.0)
+        regularised = self._gram + self.ridge * scale * np.eye(len(features))
+        self.weights = np.clip(np.linalg.solve(regularised, self._moment), 0.0, None)
+
+    def predict(self, features: np.ndarray) -> np.ndarray | float:
+        return features @ self.weights
+
+
+class AcceptanceEstimates:
+    """Per request slot and draft position: the EWMA of "accepted, given every
+    earlier position was". New requests start from the engine-wide estimate."""
+
+    def __init__(self, max_requests: int, num_positions: int, smoothing: float = 0.5,
+                 prior: float = 0.7) -> None:
+        self.smoothing = smoothing
+        self.engine_rates = np.full(num_positions, prior)
+        self.rates = np.full((max_requests, num_positions), prior)
+
+    def start(self, slot: int) -> None:
+        self.rates[slot] = self.engine_rates
+
+    def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        """Verification outcomes: row ``r`` (slot ``slots[r]``) had
+        ``drafted[r]`` drafts, the first ``accepted[r]`` accepted. Position
+        ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``."""
+        positions = np.arange(self.rates.shape[1])
+        tried = (positions[None, :] <= accepted[:, None]) & (positions[None, :] < drafted[:, None])
+        hit = (positions[None, :] < accepted[:, None]).astype(np.float64)
+        beta = self.smoothing
+        rates = self.rates[slots]
+        self.rates[slots] = np.where(tried, (1 - beta) * rates + beta * hit, rates)
+        tried_any = tried.any(axis=0)
+        if tried_any.any():
+            mean_hit = hit.sum(axis=0) / np.maximum(tried.sum(axis=0), 1)
+            engine = self.engine_rates
+            self.engine_rates = np.where(
+                tried_any, (1 - beta) * engine + beta * mean_hit, engine
+            )
+
+    def survival(self, slots: np.ndarray) -> np.ndarray:
+        """``[rows, K]``: probability that draft position ``i`` is accepted."""
+        return np.cumprod(self.rates[slots], axis=1)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """Drafts per request for the next verification, and what it is expected to give."""
+
+    draft_lengths: np.ndarray
+    """``[rows]``: drafts per request (0: the request pauses)."""
+    draft_steps: int
+    """Draft forwards this step runs: the longest ``draft_lengths``."""
+    expected_goodput: float
+    """Tokens per second the plan is expected to reach (0 if unknown)."""
+
+
+def choose_draft_lengths(
+    survival: np.ndarray,
+    drafting: np.ndarray,
+    cost: StepCostModel,
+    num_requests: int,
+    context_tokens: int,
+    other_tokens: int = 0,
+    free_pause: bool = True,
+    hysteresis: float = 0.1,
+    must_draft: np.ndarray | None = None,
+) -> DraftPlan:
+    """The draft lengths that maximise expected goodput for the next step.
+
+    Args:
+        survival: ``[rows, K]`` acceptance probability of each draft position.
+        drafting: ``[rows]`` bool, the row drafted at the previous step
+            (hysteresis: a drafting row keeps a position down to
+            ``(1 - hysteresis)`` of the threshold, a paused row resumes above
+            ``(1 + hysteresis)``).
+        cost: the step-cost model.
+        num_requests: requests in the next step (prefills included).
+        context_tokens: context tokens they attend to.
+        other_tokens: tokens verified besides the decode rows' (prefill chunks).
+        free_pause: whether a step with no drafts skips the draft forward
+            (otherwise vLLM's first pass still runs once).
+        must_draft: ``[rows]`` bool, rows probing this step: they draft all
+            ``K`` positions.
+    """
+    rows, max_k = survival.shape
+    weights = cost.weights
+    per_token = weights[FEATURES.index("verified_tokens")]
+    base_tokens = num_requests + other_tokens
+    must = np.zeros(rows, dtype=bool) if must_draft is None else must_draft
+    scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
+    best = None
+    for steps in range(max_k + 1):
+        if must.any() and steps < max_k:
+            continue  # a probe tries every position
+        forwards = steps if (steps or free_pause) else 1
+        fixed = float(cost.predict(step_features(num_requests, base_tokens, context_tokens,
+                                                 forwards)))
+        usable = survival[:, :steps]
+        # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
+        # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
+        # is kept when it is worth more than its verification time.
+        objective = rows / fixed if fixed > 0 else 0.0
+        lengths = np.zeros(rows, dtype=np.int64)
+        for _ in range(4):  # converges in a few rounds
+            keep = usable > (objective * per_token * scale)[:, None]
+            lengths = np.cumprod(keep, axis=1).sum(axis=1)
+            lengths = np.where(must, steps, lengths)
+            seconds = fixed + per_token * lengths.sum()
+            gained = rows + (_expected_accepted(usable, lengths) / scale).sum()
+            new = gained / seconds if seconds > 0 else 0.0
+            if abs(new - objective) <= 1e-9 * max(new, 1.0):
+                break
+            objective = new
+        if steps and lengths.max(initial=0) < steps:
+            continue  # the same lengths with fewer draft steps cost less
+        if best is None or objective > best[0]:
+            seconds = fixed + per_token * lengths.sum()
+            goodput = (rows + _expected_accepted(usable, lengths).sum()) / seconds \
+                if seconds > 0 else 0.0
+            best = (objective, DraftPlan(lengths, steps, goodput))
+    assert best is not None
+    return best[1]
+
+
+def _expected_accepted(survival: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``[rows]``: expected accepted drafts of each row."""
+    positions = np.arange(survival.shape[1])
+    return (survival * (positions[None, :] < lengths[:, None])).sum(axis=1)
+
+
+WARM_UP_PLANS = {0: "draft", 1: "draft", 2: "draft", 3: "draft", 4: "pause", 5: "pause"}
+
+
+@dataclass
+class _RequestState:
+    slot: int
+    context_len: int = -1
+    """Context length at the previous step (-1: not seen yet)."""
+    verified_drafts: int = 0
+    """Drafts the previous step verified (its query minus the last token);
+    the next step's context tells how many were accepted."""
+    drafted: int = -1
+    """Drafts planned at the previous step (-1: none planned)."""
+    paused_steps: int = 0
+    """Consecutive plans with no draft."""
+
+
+@dataclass
+class ControlStats:
+    """Engine-wide counts since start."""
+
+    drafted_request_steps: int = 0
+    paused_request_steps: int = 0
+    probes: int = 0
+    skipped_draft_forwards: int = 0
+    """Steps where no request drafted and the draft's forward did not run."""
+    chosen_lengths: np.ndarray | None = None
+    """Histogram of the drafts chosen per request-step (index: K_r)."""
+
+
+class GoodputController:
+    """Per step, the draft lengths of the next verification for every request
+    of the batch, from the measured step costs and acceptance so far.
+
+    Call :meth:`plan` once per engine step, at the drafter's call, with the
+    host-side lengths of the batch, and :meth:`finish` when requests leave.
+    """
+
+    def __init__(
+        self,
+        max_requests: int,
+        num_speculative_tokens: int,
+        free_pause: bool,
+        probe_interval: int = 16,
+        explore_interval: int = 32,
+        hysteresis: float = 0.1,
+    ) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.free_pause = free_pause
+        self.probe_interval = probe_interval
+        self.explore_interval = explore_interval
+        self.hysteresis = hysteresis
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
+        self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
+        self._requests: dict[str, _RequestState] = {}
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._last_time: float | None = None
+        self._last_draft_forwards = 0
+        self._plans = 0
+
+    # ---- per step --------------------------------------------------------
+
+    def plan(
+        self,
+        req_ids: list[str],
+        context_lens: np.ndarray,
+        query_lens: np.ndarray,
+        prompt_lens: np.ndarray,
+        now: float,
+    ) -> DraftPlan:
+        """Draft lengths for the next verification of ``req_ids`` (this step's
+        batch: ``context_lens`` computed tokens before this step's
+        ``query_lens``), observing the step just verified first."""
+        states = [self._state(req_id) for req_id in req_ids]
+        num_requests = len(req_ids)
+        seq_lens = context_lens + query_lens
+        self._observe_cost(num_requests, int(query_lens.sum()), int(seq_lens.sum()), now)
+        self._observe_acceptance(states, context_lens, query_lens, prompt_lens)
+        slots = np.array([s.slot for s in states], dtype=np.int64)
+        # Rows still prefilling after this step get no drafts (vLLM drops them).
+        decoding = seq_lens >= prompt_lens
+        drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
+        probing = decoding & np.array(
+            [s.paused_steps >= self.probe_interval for s in states], dtype=bool
+        )
+        survival = np.where(decoding[:, None], self.acceptance.survival(slots), 0.0)
+        plan = choose_draft_lengths(
+            survival, drafting, self.cost, num_requests,
+            context_tokens=int(seq_lens.sum()),
+            other_tokens=int(np.where(decoding, 0, query_lens).sum()),
+            free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
+        )
+        plan = self._explore(plan, decoding)
+        for state, length, probe in zip(states, plan.draft_lengths, probing):
+            state.drafted = int(length)
+            state.paused_steps = 0 if length else state.paused_steps + 1
+            self.stats.probes += bool(probe and length)
+        decoding_lengths = plan.draft_lengths[decoding]
+        self.stats.chosen_lengths += np.bincount(
+            decoding_lengths, minlength=self.num_speculative_tokens + 1
+        )
+        self.stats.drafted_request_steps += int((decoding_lengths > 0).sum())
+        self.stats.paused_request_steps += int((decoding_lengths == 0).sum())
+        self._last_draft_forwards = plan.draft_steps if (plan.draft_steps or not
+                                                         self.free_pause) else 0
+        self.stats.skipped_draft_forwards += self._last_draft_forwards == 0
+        self._plans += 1
+        return plan
+
+    def finish(self, req_ids) -> None:
+        """Forget requests that left the batch (finished or aborted)."""
+        for req_id in req_ids:
+            state = self._requests.pop(req_id, None)
+            if state is not None:
+                self._free_slots.append(state.slot)
+
+    # ---- internals -------------------------------------------------------
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            state = _RequestState(slot=self._free_slots.pop())
+            self.acceptance.start(state.slot)
+            self._requests[req_id] = state
+        return state
+
+    def _observe_cost(self, num_requests: int, verified: int, context: int, now: float) -> None:
+        last, self._last_time = self._last_time, now
+        if last is None:
+            return
+        seconds = now - last
+        features = step_features(num_requests, verified, context, self._last_draft_forwards)
+        if self.cost.observations >= 8:
+            predicted = float(self.cost.predict(features))
+            if predicted > 0 and seconds > 4 * predicted:
+                return  # an idle engine or a stall, not a step's cost
+        self.cost.observe(features, seconds)
+
+    def _observe_acceptance(self, states, context_lens, query_lens, prompt_lens) -> None:
+        """The previous step verified ``verified_drafts`` drafts of each
+        request; the context gained since is the accepted ones + 1."""
+        rows = [
+            r for r, s in enumerate(states)
+            if s.verified_drafts > 0 and s.context_len >= 0 and context_lens[r] > s.context_len
+        ]
+        if rows:
+            rows_array = np.array(rows)
+            slots = np.array([states[r].slot for r in rows])
+            drafted = np.array([states[r].verified_drafts for r in rows])
+            progress = context_lens[rows_array] - np.array([states[r].context_len
+                                                            for r in rows])
+            accepted = np.clip(progress - 1, 0, drafted)
+            self.acceptance.observe(slots, drafted, accepted)
+        decoding = context_lens >= prompt_lens
+        for state, context_len, query_len, decodes in zip(states, context_lens, query_lens,
+                                                          decoding):
+            state.context_len = int(context_len)
+            state.verified_drafts = int(query_len) - 1 if decodes else 0
+
+    def _explore(self, plan: DraftPlan, decoding: np.ndarray) -> DraftPlan:
+        """Warm-up: four plans at full K, then two with no drafts; after that,
+        every ``explore_interval`` plans, one of the other kind (all rows at
+        full K, or none drafting). The cost model then keeps seeing both."""
+        if not decoding.any():
+            return plan
+        kind = WARM_UP_PLANS.get(self._plans)
+        if kind is None:
+            if (self._plans + 1) % self.explore_interval:
+                return plan
+            kind = "draft" if plan.draft_steps == 0 else "pause"
+        if kind == "draft":
+            lengths = np.where(decoding, self.num_speculative_tokens, 0)
+            return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
+        return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)

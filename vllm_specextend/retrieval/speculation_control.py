@@ -1,0 +1,97 @@
+"""Goodput control inside a vLLM worker: the controller's per-step plan, the
+draft KV frontier of each request, and what the drafter's first pass must
+catch up when drafting resumes.
+
+A step in which no request drafts and none is prefilling skips the draft's
+forward (when the drafter can catch up: a draft model, whose inputs are
+token ids; an EAGLE head needs the target's hidden states of every token, so
+its first pass always runs). The tokens verified meanwhile have no draft KV;
+each request's frontier says from where, and the next forward prepends them
+to the request's query (``catch_up_starts``), up to the drafter's token budget
+(older ones stay holes: the draft reads stale KV there, the target's output
+does not change).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vllm_specextend.core.goodput import DraftPlan, GoodputController
+
+
+class SpeculationControl:
+    """Per engine step: how many drafts each request gets, and whether the
+    draft's forward runs."""
+
+    def __init__(
+        self,
+        max_requests: int,
+        num_speculative_tokens: int,
+        free_pause: bool,
+    ) -> None:
+        self.free_pause = free_pause
+        self.clock = time.perf_counter
+        """Seconds now (tests simulate a device's step costs with it)."""
+        self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause)
+        self.draft_lengths: dict[str, int] = {}
+        """Drafts each request of the last plan keeps (the runner truncates to them)."""
+        self.catch_up_tokens = 0
+        self._frontier: dict[str, int] = {}
+        self._synced: set[str] = set()
+
+    def plan(
+        self,
+        req_ids: list[str],
+        context_lens: np.ndarray,
+        query_lens: np.ndarray,
+        prompt_lens: np.ndarray,
+    ) -> tuple[DraftPlan, bool]:
+        """This step's plan and whether the draft's forward runs."""
+        left = set(self._frontier) - set(req_ids)
+        self.controller.finish(left)
+        for req_id in left:
+            del self._frontier[req_id]
+        plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens,
+                                    self.clock())
+        self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
+        for req_id, context_len in zip(req_ids, context_lens.tolist()):
+            frontier = self._frontier.get(req_id)
+            if req_id in self._synced:
+                # The last forward wrote the verified tokens and the next one
+                # (the token at ``context_len``).
+                self._frontier[req_id] = context_len + 1
+            elif frontier is None or context_len + 1 < frontier:
+                # New, or preempted and recomputed from an earlier point.
+                self._frontier[req_id] = context_len
+        prefilling = bool((context_lens < prompt_lens).any())
+        runs = not (self.free_pause and plan.draft_steps == 0 and not prefilling)
+        self._synced = set(req_ids) if runs else set()
+        return plan, runs
+
+    def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
+                        budget: int) -> np.ndarray | None:
+        """Per row, the first position the forward must process (its draft KV
+        frontier), or None when nothing lags. At most ``budget`` tokens in all:
+        a lagging row keeps its most recent ones."""
+        starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
+        gaps = np.maximum(context_lens - starts, 0)
+        if not gaps.any():
+            return None
+        total = int(gaps.sum())
+        if total > budget:
+            gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
+        self.catch_up_tokens += int(gaps.sum())
+        return context_lens - gaps
+
+    def metrics_snapshot(self) -> dict[str, object]:
+        stats = self.controller.stats
+        return {
+            "drafted_request_steps": stats.drafted_request_steps,
+            "paused_request_steps": stats.paused_request_steps,
+            "probes": stats.probes,
+            "skipped_draft_forwards": stats.skipped_draft_forwards,
+            "catch_up_tokens": self.catch_up_tokens,
+            "chosen_draft_lengths": stats.chosen_lengths.tolist(),
+        }
