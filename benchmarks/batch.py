@@ -3,8 +3,9 @@ call per configuration, against stock vLLM.
 
 Engines with prefix caching: the target alone; the target with the draft,
 where stock drafting (``mode: off``), cmr and streaming are switched between
-runs; and, for ``cmr_k_by_batch``, cmr under vLLM's own K-by-batch-size
-schedule (``benchmarks.runs.K_BY_BATCH_SIZE``). Each engine prefills every
+runs, and ``goodput`` (cmr with ``speculation_control: goodput``); and, for
+``cmr_k_by_batch``, cmr under vLLM's own K-by-batch-size schedule
+(``benchmarks.runs.K_BY_BATCH_SIZE``). Each engine prefills every
 passage once (untimed); the measured runs then hit the prefix cache, so they
 are almost all decode. Per run: output tokens/s of the batch over its
 decode-only steps, mean acceptance length, drafted tokens, draft / verify /
@@ -24,6 +25,7 @@ from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
 from benchmarks.runs import engine_kwargs
 from benchmarks.worker_hooks import (
+    control_counts,
     install_timers,
     read_timers,
     reconfigure_drafter,
@@ -31,9 +33,9 @@ from benchmarks.worker_hooks import (
     spec_counters,
 )
 
-BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
-RETRIEVAL_CONFIGS = ("cmr", "streaming", "cmr_k_by_batch")
-SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming")
+BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming", "goodput", "cmr_k_by_batch")
+RETRIEVAL_CONFIGS = ("cmr", "streaming", "goodput", "cmr_k_by_batch")
+SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming", "goodput")
 """Run in one engine, its drafter reconfigured between runs."""
 PASSAGE_STRIDE = 60_000
 """Characters between the starts of a batch's passages."""
@@ -55,6 +57,8 @@ class BatchMeasurement:
     retrieval_s_per_step: float | None
     kept_fraction: float | None
     same_as_target: bool | None = None
+    control: dict | None = None
+    """Goodput control's counts of the run (``goodput`` only)."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -93,6 +97,9 @@ def _engine_runs(args, engine_config: str, configs: list[str],
 
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     spec_extend = {**base, "mode": "cmr"} if engine_config != "target" else None
+    if engine_config == "cmr" and "goodput" in configs:
+        # Built with goodput control: vLLM's synchronous scheduler for every run.
+        spec_extend["speculation_control"] = "goodput"
     kwargs = engine_kwargs(args, engine_config, spec_extend) | {
         "enable_prefix_caching": True,
         "max_num_seqs": max(args.batch_sizes),
@@ -111,12 +118,20 @@ def _engine_runs(args, engine_config: str, configs: list[str],
                 batch = [TokensPrompt(prompt_token_ids=p) for p in passages[:batch_size]]
                 for config in configs:
                     if engine_config == "cmr":
-                        mode = "off" if config == "draft_model" else config
-                        llm.collective_rpc(reconfigure_drafter, args=({**base, "mode": mode},))
+                        mode = {"draft_model": "off", "goodput": "cmr"}.get(config, config)
+                        control = "goodput" if config == "goodput" else "off"
+                        llm.collective_rpc(reconfigure_drafter, args=(
+                            {**base, "mode": mode, "speculation_control": control},))
+                    control0 = llm.collective_rpc(control_counts)[0]
                     c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     outputs = llm.generate(batch, params, use_tqdm=False)
                     c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     m = _measure(config, batch_size, length, outputs, c0, c1, t0, t1)
+                    if config == "goodput":
+                        # The controller keeps what it learnt across runs (as
+                        # in a serving engine); its counts are this run's.
+                        m.control = _count_deltas(llm.collective_rpc(control_counts)[0],
+                                                  control0)
                     measurements.append(m)
                     token_ids[(config, batch_size, length)] = [
                         list(o.outputs[0].token_ids) for o in outputs]
@@ -172,8 +187,8 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
-        "verify s/step | retrieval s/step | kept % | same as target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "verify s/step | retrieval s/step | kept % | paused % | same as target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -191,9 +206,23 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_s_per_step, '.4f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
-            f"{same} |"
+            f"{fmt(_paused_percent(m.control), '.0f')} | {same} |"
         )
     return "\n".join(lines)
+
+
+def _count_deltas(after: dict, before: dict) -> dict:
+    return {key: ([a - b for a, b in zip(value, before[key])] if isinstance(value, list)
+                  else value - before[key])
+            for key, value in after.items()}
+
+
+def _paused_percent(control: dict | None) -> float | None:
+    """Goodput control: request-steps without drafts, in % of all."""
+    if not control:
+        return None
+    steps = control["drafted_request_steps"] + control["paused_request_steps"]
+    return 100 * control["paused_request_steps"] / steps if steps else None
 
 
 def plot_by_batch_size(points: list[dict], path: Path, title: str, ylabel: str,

@@ -4,6 +4,8 @@
     python -m benchmarks --batch-sizes 1 4 8             # batches (batch.py)
     python -m benchmarks --serve --concurrency 8         # vllm serve (serve.py)
     python -m benchmarks --sweep | --needle              # sweep.py, needle.py
+    python -m benchmarks --refresh                       # refresh.py
+    python -m benchmarks --k-trace                       # k_trace.py
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "every draft configuration but draft_model_full")
     parser.add_argument("--configs", nargs="+",
                         default=["target", "draft_model", "cmr", "streaming"],
-                        help="target, draft_model, cmr, streaming; batched and served modes "
+                        help="target, draft_model, cmr, streaming; batched mode also goodput "
+                             "(cmr with speculation_control goodput); batched and served modes "
                              "also cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
                              "requests also draft_model_full, ngram")
     parser.add_argument("--spec-extend", default=None,
@@ -72,10 +75,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run the needle-retrieval benchmark instead")
     parser.add_argument("--needle-length", type=int, default=4096)
     parser.add_argument("--needle-tokens", type=int, default=12)
+    parser.add_argument("--refresh", action="store_true",
+                        help="run the retrieval-refresh benchmark (fixed interval against "
+                             "acceptance drops) instead")
+    parser.add_argument("--refresh-length", type=int, default=4096)
+    parser.add_argument("--refresh-tokens", type=int, default=320,
+                        help="tokens generated for each two-paragraph copy")
+    parser.add_argument("--k-trace", action="store_true",
+                        help="goodput control's drafts per request and step, for one batch "
+                             "of --lengths (one request each), instead")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default=None,
                         help="results folder under benchmarks/results "
-                             "(default: main, sweep, needle, batch or serve)")
+                             "(default: main, sweep, needle, refresh, k-trace, batch or serve)")
     return parser.parse_args(argv)
 
 
@@ -91,6 +103,7 @@ def main(argv=None) -> None:
     # step timeout (300 s) would kill the engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     name = args.name or ("sweep" if args.sweep else "needle" if args.needle
+                         else "refresh" if args.refresh else "k-trace" if args.k_trace
                          else "batch" if args.batch_sizes else "serve" if args.serve
                          else "main")
     out_dir = args.out or RESULTS_DIR / name
@@ -119,6 +132,18 @@ def main(argv=None) -> None:
 
         print(write_batch(run_batch(args), out_dir, title))
         print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+        return
+    if args.k_trace:
+        from benchmarks.k_trace import run_k_trace, write_k_trace
+
+        print(write_k_trace(run_k_trace(args), out_dir, title))
+        print(f"\nresults: {out_dir}/k_trace.{{json,md,png}}")
+        return
+    if args.refresh:
+        from benchmarks.refresh import run_refresh, write_refresh
+
+        print(write_refresh(run_refresh(args), out_dir, title))
+        print(f"\nresults: {out_dir}/refresh.{{json,md,png}}")
         return
     if args.needle:
         print(write_needle(run_needle(args), out_dir))

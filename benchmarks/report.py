@@ -24,7 +24,9 @@ def fmt(value, spec=".2f"):
 
 CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:red",
                  "streaming": "tab:green", "draft_model_full": "tab:purple",
-                 "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange"}
+                 "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
+                 "goodput": "tab:cyan", "cmr_every_16": "tab:pink",
+                 "cmr_on_drops": "goldenrod"}
 
 
 def config_color(config: str) -> str:

@@ -68,6 +68,31 @@ def reconfigure_drafter(worker, options: dict) -> None:
     _retrieval(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
 
 
+def control_counts(worker) -> dict | None:
+    """Goodput control's engine-wide counters (the benchmarks take their
+    differences per run)."""
+    retrieval = _retrieval(worker.model_runner)
+    control = getattr(retrieval, "control", None)
+    if control is None:
+        return None
+    return {key: value for key, value in control.metrics_snapshot().items()
+            if isinstance(value, (int, list))}
+
+
+def start_control_trace(worker) -> None:
+    """Goodput control records every plan from now on."""
+    _retrieval(worker.model_runner).control.trace = []
+
+
+def read_control_trace(worker) -> list[dict]:
+    return _retrieval(worker.model_runner).control.trace
+
+
+def retrieval_refreshes(worker) -> dict[str, int]:
+    """Retrievals since engine start, by cause (``core.refresh.REFRESH_CAUSES``)."""
+    return dict(_retrieval(worker.model_runner).planner.stats.refreshes)
+
+
 def _retrieval(runner):
     """The drafter's ``DraftRetrieval`` (V1 ``drafter`` or MRV2 ``speculator``)."""
     drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 LENGTHS = (1024, 2048)
 BATCH_SIZES = (1, 3)
-CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
+CONFIGS = ("target", "draft_model", "cmr", "streaming", "goodput", "cmr_k_by_batch")
 MAX_TOKENS = 32
 PNG_MAGIC = b"\x89PNG"
 
@@ -52,6 +52,12 @@ def test_batched_grid_is_complete_and_lossless(batch_results):
             continue
         # float32: every speculative run reproduces the target alone, batched too.
         assert r["same_as_target"] is True, r
+        if r["config"] == "goodput":
+            # Goodput control's own counts of the run (it may skip every draft).
+            control = r["control"]
+            assert control["drafted_request_steps"] + control["paused_request_steps"] > 0
+            continue
+        assert r["control"] is None
         assert r["draft_s_per_step"] > 0 and r["verify_s_per_step"] > 0
         assert r["mean_acceptance_length"] is None or r["mean_acceptance_length"] >= 1.0
     for n in LENGTHS:
@@ -137,3 +143,39 @@ def test_sweep_switches_options_inside_one_engine(target_model, draft_model, tmp
     assert kept["top_k_chunks=2"] < 0.5
     assert all(r["mean_acceptance_length"] > 1.0 for r in rows)
     assert "| top_k_chunks=2 | 2048 |" in (tmp_path / "sweep.md").read_text()
+
+
+def test_refresh_benchmark_compares_the_interval_with_acceptance_drops(
+        target_model, draft_model, tmp_path):
+    run_module("benchmarks", "--refresh", "--target", str(target_model), "--draft",
+               str(draft_model), "--refresh-length", "2048", "--refresh-tokens", "48",
+               "--dtype", "float32", "--kv-cache-gib", "1",
+               "--out", str(tmp_path))
+    result = json.loads((tmp_path / "refresh.json").read_text())
+    summary = {(s["kind"], s["config"]): s for s in result["summary"]}
+    assert set(summary) == {(kind, config) for kind in ("needle", "two passages")
+                            for config in ("cmr", "cmr_every_16", "cmr_on_drops")}
+    for s in summary.values():
+        assert s["same_tokens_as_cmr"] and s["verifications"] > 0
+    fixed, sparse = summary[("two passages", "cmr")], summary[("two passages", "cmr_every_16")]
+    assert fixed["refreshes"]["acceptance"] == sparse["refreshes"]["acceptance"] == 0
+    assert fixed["refreshes"]["interval"] > sparse["refreshes"]["interval"] > 0
+    assert (tmp_path / "refresh.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_k_trace_records_the_drafts_of_every_request_at_every_step(
+        target_model, draft_model, tmp_path):
+    lengths = (300, 1200, 2400)
+    run_module("benchmarks", "--k-trace", "--target", str(target_model), "--draft",
+               str(draft_model), "--lengths", *map(str, lengths), "--max-tokens", "24",
+               "--k", "3", "--dtype", "float32", "--kv-cache-gib", "1", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "k_trace.json").read_text())
+    assert list(result["passes"]) == ["cold", "warm"]
+    for requests in result["passes"].values():
+        assert len(requests) == len(lengths)
+        for r in requests:
+            # One plan per decode step: the first token comes from the prefill.
+            assert len(r["steps"]) >= 24 // 4 and r["steps"] == sorted(set(r["steps"]))
+            assert set(r["draft_lengths"]) <= {0, 1, 2, 3}
+            assert r["context_lens"] == sorted(r["context_lens"])
+    assert (tmp_path / "k_trace.png").read_bytes().startswith(PNG_MAGIC)

@@ -1,6 +1,7 @@
 """Retrieval figures: device-side accounting and their Prometheus rendering
 (no engine; the engine paths are covered in test_engine_* and test_serve)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ def stats_after_two_requests() -> RetrievalStats:
                       removed_tokens=torch.tensor([751]),
                       acceptance_lengths=torch.tensor([2]))
     stats.retrievals = 3
+    stats.refreshes.update(first=2, acceptance=1)
     return stats
 
 
@@ -59,6 +61,8 @@ def test_collector_renders_counters_gauges_and_histograms():
     text = generate_latest(registry).decode()
     assert 'vllm:spec_extend_retrievals_total{model_name="tiny"} 3.0' in text
     assert 'vllm:spec_extend_kept_tokens_total{model_name="tiny"} 900.0' in text
+    assert 'vllm:spec_extend_refreshes_total{cause="acceptance",model_name="tiny"} 1.0' in text
+    assert 'vllm:spec_extend_refreshes_total{cause="interval",model_name="tiny"} 0.0' in text
     assert 'vllm:spec_extend_tracked_requests{model_name="tiny"} 1.0' in text
     assert 'vllm:spec_extend_request_kept_fraction_bucket{le="0.25",model_name="tiny"} 1.0' in text
     assert 'vllm:spec_extend_request_kept_fraction_count{model_name="tiny"} 1.0' in text
@@ -91,3 +95,38 @@ def test_figures_start_afresh_with_each_engine():
     metrics.publish(config, [{**snapshot, "retrievals": 1}])
     assert published_retrievals() == [1]
     unregister_vllm_metrics()
+
+
+def test_goodput_control_figures_per_request_and_in_prometheus():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_specextend.retrieval.speculation_control import SpeculationControl
+
+    control = SpeculationControl(max_requests=4, num_speculative_tokens=2, free_pause=True)
+    prompt = np.array([100, 100])
+    context = np.array([100, 100])
+    for _ in range(6):  # warm-up: 2 steps at K, then 2 paused, then the controller's choice
+        control.plan(["a", "b"], context, np.array([1, 1]), prompt)
+        context = context + 1
+    requests = control.metrics_snapshot()["requests"]
+    assert requests["a"]["drafted_steps"] >= 2  # the warm-up drafts
+    assert requests["a"]["drafted_steps"] + requests["a"]["paused_steps"] == 6
+    control.plan(["b"], context[1:], np.array([1]), prompt[1:])  # "a" finished
+    snapshot = control.metrics_snapshot()
+    paused = snapshot["request_paused_fraction"]
+    assert paused["count"] == 1
+    assert paused["sum"] == pytest.approx(requests["a"]["paused_steps"] / 6)
+    assert list(snapshot["requests"]) == ["b"]
+    registry = CollectorRegistry()
+    collector = SpecExtendCollector()
+    registry.register(collector)
+    stats = stats_after_two_requests()
+    collector.update("tiny", {**stats.as_dict(), "tracked_requests": 1,
+                              "request_kept_fraction": stats.request_kept_fraction.as_dict(),
+                              "request_acceptance_length":
+                                  stats.request_acceptance_length.as_dict(),
+                              "control": snapshot})
+    text = generate_latest(registry).decode()
+    assert ('vllm:spec_extend_control_request_paused_fraction_count{model_name="tiny"} 1.0'
+            in text)
+    assert 'vllm:spec_extend_control_chosen_draft_length_total{draft_length="2",' in text

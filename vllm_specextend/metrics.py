@@ -98,22 +98,25 @@ class SpecExtendCollector:
             for model, snap in snapshots.items():
                 family.add_metric([model], snap[key])
             yield family
+        family = CounterMetricFamily("vllm:spec_extend_refreshes",
+                                     "Retrievals by cause: a request's first selection, "
+                                     "the fixed interval, or a drop of its acceptance.",
+                                     labels=["model_name", "cause"])
+        for model, snap in snapshots.items():
+            for cause, count in snap["refreshes"].items():
+                family.add_metric([model, cause], count)
+        yield family
         controlled = {model: snap["control"] for model, snap in snapshots.items()
                       if snap.get("control") is not None}
         if controlled:
-            yield from _control_families(controlled, CounterMetricFamily)
+            yield from _control_families(controlled, CounterMetricFamily, HistogramMetricFamily)
         for key, doc in _HISTOGRAMS.items():
-            family = HistogramMetricFamily(f"vllm:spec_extend_{key}", doc, labels=["model_name"])
-            for model, snap in snapshots.items():
-                hist = snap[key]
-                bounds = [str(b) for b in hist["buckets"]] + ["+Inf"]
-                family.add_metric(
-                    [model], list(zip(bounds, hist["cumulative_counts"])), hist["sum"]
-                )
-            yield family
+            yield _histogram_family(HistogramMetricFamily, f"vllm:spec_extend_{key}", doc,
+                                    {model: snap[key] for model, snap in snapshots.items()})
 
 
-def _control_families(controlled: dict[str, dict[str, Any]], counter: Any) -> Iterator[Any]:
+def _control_families(controlled: dict[str, dict[str, Any]], counter: Any,
+                      histogram: Any) -> Iterator[Any]:
     for key, doc in _CONTROL_COUNTERS.items():
         family = counter(f"vllm:spec_extend_control_{key}", doc, labels=["model_name"])
         for model, control in controlled.items():
@@ -126,6 +129,19 @@ def _control_families(controlled: dict[str, dict[str, Any]], counter: Any) -> It
         for length, count in enumerate(control["chosen_draft_lengths"]):
             family.add_metric([model, str(length)], count)
     yield family
+    yield _histogram_family(
+        histogram, "vllm:spec_extend_control_request_paused_fraction",
+        "Goodput control, per finished request: decode steps without drafts / decode steps.",
+        {model: control["request_paused_fraction"] for model, control in controlled.items()})
+
+
+def _histogram_family(histogram: Any, name: str, doc: str,
+                      per_model: dict[str, dict[str, Any]]) -> Any:
+    family = histogram(name, doc, labels=["model_name"])
+    for model, hist in per_model.items():
+        bounds = [str(b) for b in hist["buckets"]] + ["+Inf"]
+        family.add_metric([model], list(zip(bounds, hist["cumulative_counts"])), hist["sum"])
+    return family
 
 
 _collector: SpecExtendCollector | None = None

@@ -24,19 +24,17 @@ def fitted(weights: dict[str, float]) -> StepCostModel:
 
 
 def test_the_cost_model_learns_a_linear_step_cost():
-    truth = np.array([0.010, 0.001, 0.004, 0.002, 0.006, 0.0005])
+    truth = np.array([0.050, 0.004, 0.030])
     model = StepCostModel(forgetting=1.0)
     rng = np.random.default_rng(0)
     for _ in range(200):
         requests = int(rng.integers(1, 16))
         drafts = int(rng.integers(0, K + 1))
-        mixed = int(rng.integers(0, requests * drafts + 1))
-        features = step_features(requests, requests + mixed, int(rng.integers(0, 30000)),
-                                 drafts)
+        features = step_features(requests + int(rng.integers(0, requests * drafts + 1)), drafts)
         model.observe(features, float(features @ truth))
-    probe = step_features(8, 20, 16000, 2)
+    probe = step_features(20, 2)
     assert model.predict(probe) == pytest.approx(probe @ truth, rel=1e-3)
-    assert model.weights == pytest.approx(truth, rel=0.05, abs=1e-5)
+    assert model.weights == pytest.approx(truth, rel=0.05)
 
 
 def test_drafting_that_does_not_pay_is_switched_off():
@@ -44,11 +42,11 @@ def test_drafting_that_does_not_pay_is_switched_off():
     # cannot pay (k + 1 tokens for more than k + 1 steps' time).
     expensive = fitted({"step": 0.05, "verified_tokens": 0.001, "draft_forwards": 0.06})
     sure = np.ones((4, K))
-    plan = choose_draft_lengths(sure, np.ones(4, bool), expensive, 4, 8000)
+    plan = choose_draft_lengths(sure, np.ones(4, bool), expensive, 4)
     assert plan.draft_steps == 0 and not plan.draft_lengths.any()
     # A cheap draft: sure drafts pay at full K.
     cheap = fitted({"step": 0.05, "verified_tokens": 0.001, "draft_forwards": 0.002})
-    plan = choose_draft_lengths(sure, np.ones(4, bool), cheap, 4, 8000)
+    plan = choose_draft_lengths(sure, np.ones(4, bool), cheap, 4)
     assert plan.draft_steps == K and (plan.draft_lengths == K).all()
 
 
@@ -58,7 +56,7 @@ def test_rows_draft_as_far_as_their_acceptance_pays():
     model = fitted({"step": 0.05, "verified_tokens": 0.01, "draft_forwards": 0.001})
     survival = np.cumprod(np.array([[0.95, 0.9, 0.9], [0.0, 0.0, 0.0], [0.9, 0.5, 0.1]]),
                           axis=1)
-    plan = choose_draft_lengths(survival, np.ones(3, bool), model, 3, 3000)
+    plan = choose_draft_lengths(survival, np.ones(3, bool), model, 3)
     assert plan.draft_lengths.tolist() == [3, 0, 1]
     assert plan.draft_steps == 3
 
@@ -66,7 +64,7 @@ def test_rows_draft_as_far_as_their_acceptance_pays():
     def goodput(lengths):
         positions = np.arange(K)
         gained = 3 + (survival * (positions < np.array(lengths)[:, None])).sum()
-        seconds = model.predict(step_features(3, 3 + sum(lengths), 3000, max(lengths)))
+        seconds = model.predict(step_features(3 + sum(lengths), max(lengths)))
         return gained / seconds
     assert plan.expected_goodput == pytest.approx(goodput(plan.draft_lengths))
     assert all(plan.expected_goodput >= goodput([k] * 3) for k in range(K + 1))
@@ -78,7 +76,7 @@ def test_hysteresis_keeps_a_row_on_its_side_of_the_threshold():
     survival = np.zeros((2, K))
     for rate in np.linspace(0.05, 0.6, 56):
         survival[:, 0] = rate
-        plan = choose_draft_lengths(survival, np.array([True, False]), model, 2, 0)
+        plan = choose_draft_lengths(survival, np.array([True, False]), model, 2)
         if plan.draft_lengths[0] and not plan.draft_lengths[1]:
             break
     else:
@@ -118,7 +116,8 @@ class SimulatedEngine:
         step, per_token, draft_step = self.costs
         self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
         plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now)
-        self.draft_forwards = plan.draft_steps
+        self.draft_forwards = plan.draft_steps  # a step with no drafts skips the forward
+        self.controller.record_forwards(plan.draft_steps)
         for r, drafts in zip(req_ids, plan.draft_lengths):
             # This step verifies the drafts of the previous plan.
             verified = self.query[r] - 1
@@ -140,9 +139,10 @@ def test_a_request_whose_drafts_are_never_accepted_pauses_and_resumes_after_prob
     assert sum(h["bad"] == 0 for h in steady) >= 0.8 * len(steady)
     assert sum(h["good"] == K for h in steady) >= len(steady) - 2
     assert controller.stats.probes > 0
-    # The draft starts agreeing: the next probe sees it and the request resumes.
+    # The draft starts agreeing: the next probe (they back off, 8 then 16,
+    # 32 ... paused steps apart) sees it and the request resumes, up to K.
     engine.acceptance["bad"] = 1.0
-    for _ in range(2 * 8):
+    for _ in range(60):
         engine.step()
     assert engine.history[-1]["bad"] == K
 
@@ -157,3 +157,19 @@ def test_drafting_stops_when_it_does_not_pay_for_anybody():
     steady = engine.history[8:]
     assert sum(h["a"] == 0 and h["b"] == 0 for h in steady) >= len(steady) - 2
     assert controller.stats.skipped_draft_forwards >= len(steady) - 2
+
+
+def test_catch_up_puts_each_rows_gap_before_its_query():
+    from vllm_specextend.core.catch_up import catch_up_layout
+
+    # Row 0: query of 4 at positions 100-103, 2 tokens to catch up (98, 99);
+    # row 1: nothing to catch up; row 2: query of 1 at 50, 3 to catch up.
+    query_lens, starts, gaps = np.array([4, 1, 1]), np.array([98, 7, 47]), np.array([2, 0, 3])
+    layout = catch_up_layout(query_lens, starts, gaps)
+    assert layout.query_start_loc.tolist() == [0, 6, 7, 11]
+    query_tokens = ["q0a", "q0b", "q0c", "q0d", "q1", "q2"]
+    gap_tokens = [f"g{row}@{pos}" for row, pos in zip(layout.gap_rows, layout.gap_positions)]
+    assert gap_tokens == ["g0@98", "g0@99", "g2@47", "g2@48", "g2@49"]
+    flat = [(query_tokens + gap_tokens)[i] for i in layout.order]
+    assert flat == ["g0@98", "g0@99", "q0a", "q0b", "q0c", "q0d", "q1",
+                    "g2@47", "g2@48", "g2@49", "q2"]

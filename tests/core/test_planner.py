@@ -91,7 +91,8 @@ def test_a_step_with_reduced_k_keeps_the_request_and_its_selection():
     # The next step verified fewer drafts (K dropped to 1 for this batch).
     second = planner.plan(planning_batch(["a"], [2], [3003], [1000]))
     assert first is not None and second is not None
-    assert planner._requests["a"].retrievals == 1  # the selection is reused
+    assert planner._requests["a"].refreshes["first"] == 1  # the selection is reused
+    assert planner.stats.refreshes == {"first": 1, "interval": 0, "acceptance": 0}
     assert second.removed_tokens[0] == first.removed_tokens[0]
 
 

@@ -19,6 +19,7 @@ from tests.engine_utils import (
     spec_decode_counters,
 )
 from tests.tiny_models import TARGET_QWEN2, build_model, build_noisy_copy
+from vllm_specextend.metrics import worker_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -106,18 +107,30 @@ def test_draft_equal_to_target_accepts_less_when_it_sees_less(
     long_prompts = prompts[1:4]
     # One engine: the whole cache first (mode off drafts as stock vLLM), then
     # SMALL_CACHE; each run's counters are its own.
-    runs = {}
+    # Then with retrieval refreshed on acceptance drops (at most every 16 steps).
+    runs, refreshes = {}, {}
+    configs = (("full", {**SMALL_CACHE, "mode": "off"}), ("small", SMALL_CACHE),
+               ("on_drops", {**SMALL_CACHE, "retrieval_refresh": "acceptance",
+                             "retrieval_interval": 16}))
     with engine(target_model, target_model, spec_extend=SMALL_CACHE) as llm:
-        for name, options in (("full", {**SMALL_CACHE, "mode": "off"}), ("small", SMALL_CACHE)):
+        for name, options in configs:
             llm.collective_rpc(reconfigure_drafter, args=(options,))
-            before = spec_decode_counters(llm)
+            before = spec_decode_counters(llm), refresh_counts(llm)
             outputs = generate_greedy(llm, long_prompts, MAX_TOKENS)
             runs[name] = ([list(o.outputs[0].token_ids) for o in outputs],
-                          counter_deltas(spec_decode_counters(llm), before))
+                          counter_deltas(spec_decode_counters(llm), before[0]))
+            refreshes[name] = counter_deltas(refresh_counts(llm), before[1])
     (full_ids, full), (small_ids, small) = runs["full"], runs["small"]
     assert full["num_accepted_tokens"] == full["num_draft_tokens"] > 0
     assert small["num_accepted_tokens"] < 0.8 * small["num_draft_tokens"]
-    assert full_ids == small_ids == target_alone[1:4]
+    assert full_ids == small_ids == runs["on_drops"][0] == target_alone[1:4]
+    assert refreshes["small"]["acceptance"] == 0 < refreshes["small"]["interval"]
+    assert refreshes["on_drops"]["first"] == len(long_prompts)
+    assert refreshes["on_drops"]["acceptance"] > 0
+
+
+def refresh_counts(llm) -> dict[str, int]:
+    return llm.collective_rpc(worker_metrics)[0]["refreshes"]
 
 
 def test_qwen2_cmr_equals_target_alone(target_reference):

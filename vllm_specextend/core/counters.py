@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_specextend.core.refresh import REFRESH_CAUSES
+
 KEPT_FRACTION_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0)
 ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
@@ -54,6 +56,8 @@ class RetrievalStats:
     device: torch.device
     retrievals: int = 0
     """Per-request selections recomputed."""
+    refreshes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFRESH_CAUSES, 0))
+    """Retrievals by cause (``core.refresh.REFRESH_CAUSES``)."""
     compacted_request_steps: int = 0
     """Request-steps drafted through a compacted block table."""
     finished_requests: int = 0
@@ -125,6 +129,7 @@ class RetrievalStats:
         context, kept, steps, accepted = self._totals.tolist()
         return {
             "retrievals": self.retrievals,
+            "refreshes": dict(self.refreshes),
             "compacted_request_steps": self.compacted_request_steps,
             "context_tokens": context,
             "kept_tokens": kept,

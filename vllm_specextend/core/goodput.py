@@ -25,29 +25,25 @@ vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-FEATURES = ("step", "requests", "verified_tokens", "context_ktokens", "draft_forwards",
-            "draft_row_forwards")
-"""What one engine step costs, linearly: a fixed part, per request, per token
-verified (query tokens), per thousand context tokens attended, per draft
-forward and per request in each draft forward."""
+from vllm_specextend.core.counters import DeviceHistogram
+
+PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+FEATURES = ("step", "verified_tokens", "draft_forwards")
+"""What one engine step costs, linearly: a base (the batch's target forward,
+which grows with its context and requests; the exponential forgetting tracks
+it), each token verified beyond it and each draft forward. Few features on
+purpose: a short window of steps must tell them apart."""
 
 
-def step_features(
-    num_requests: int,
-    verified_tokens: int,
-    context_tokens: int,
-    draft_forwards: int,
-) -> np.ndarray:
+def step_features(verified_tokens: int, draft_forwards: int) -> np.ndarray:
     """The cost features of one step (see ``FEATURES``)."""
-    return np.array(
-        [1.0, num_requests, verified_tokens, context_tokens / 1000.0, draft_forwards,
-         draft_forwards * num_requests],
-        dtype=np.float64,
-    )
+    return np.array([1.0, verified_tokens, draft_forwards], dtype=np.float64)
 
 
 class StepCostModel:
@@ -133,7 +129,6 @@ def choose_draft_lengths(
     drafting: np.ndarray,
     cost: StepCostModel,
     num_requests: int,
-    context_tokens: int,
     other_tokens: int = 0,
     free_pause: bool = True,
     hysteresis: float = 0.1,
@@ -149,12 +144,11 @@ def choose_draft_lengths(
             ``(1 + hysteresis)``).
         cost: the step-cost model.
         num_requests: requests in the next step (prefills included).
-        context_tokens: context tokens they attend to.
         other_tokens: tokens verified besides the decode rows' (prefill chunks).
         free_pause: whether a step with no drafts skips the draft forward
             (otherwise vLLM's first pass still runs once).
-        must_draft: ``[rows]`` bool, rows probing this step: they draft all
-            ``K`` positions.
+        must_draft: ``[rows]`` bool, rows probing this step: they draft at
+            least one token.
     """
     rows, max_k = survival.shape
     weights = cost.weights
@@ -164,11 +158,10 @@ def choose_draft_lengths(
     scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
     best = None
     for steps in range(max_k + 1):
-        if must.any() and steps < max_k:
-            continue  # a probe tries every position
+        if must.any() and steps == 0:
+            continue
         forwards = steps if (steps or free_pause) else 1
-        fixed = float(cost.predict(step_features(num_requests, base_tokens, context_tokens,
-                                                 forwards)))
+        fixed = float(cost.predict(step_features(base_tokens, forwards)))
         usable = survival[:, :steps]
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
@@ -178,7 +171,7 @@ def choose_draft_lengths(
         for _ in range(4):  # converges in a few rounds
             keep = usable > (objective * per_token * scale)[:, None]
             lengths = np.cumprod(keep, axis=1).sum(axis=1)
-            lengths = np.where(must, steps, lengths)
+            lengths = np.where(must, np.maximum(lengths, 1), lengths)
             seconds = fixed + per_token * lengths.sum()
             gained = rows + (_expected_accepted(usable, lengths) / scale).sum()
             new = gained / seconds if seconds > 0 else 0.0
@@ -202,7 +195,9 @@ def _expected_accepted(survival: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return (survival * (positions[None, :] < lengths[:, None])).sum(axis=1)
 
 
-WARM_UP_PLANS = {0: "draft", 1: "draft", 2: "draft", 3: "draft", 4: "pause", 5: "pause"}
+WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
+MAX_PROBE_BACKOFF = 8
+"""A failing request is probed at most every 8 x ``probe_interval`` plans."""
 
 
 @dataclass
@@ -217,6 +212,12 @@ class _RequestState:
     """Drafts planned at the previous step (-1: none planned)."""
     paused_steps: int = 0
     """Consecutive plans with no draft."""
+    probe_after: int = 0
+    """Paused plans before the next probe (doubles after each probe)."""
+    drafted_steps: int = 0
+    """Decode steps this request drafted in (its metrics)."""
+    paused_decode_steps: int = 0
+    """Decode steps it did not draft in."""
 
 
 @dataclass
@@ -230,6 +231,9 @@ class ControlStats:
     """Steps where no request drafted and the draft's forward did not run."""
     chosen_lengths: np.ndarray | None = None
     """Histogram of the drafts chosen per request-step (index: K_r)."""
+    request_paused_fraction: DeviceHistogram = field(
+        default_factory=lambda: DeviceHistogram(PAUSED_FRACTION_BUCKETS, torch.device("cpu")))
+    """Per finished request: paused / decode steps."""
 
 
 class GoodputController:
@@ -246,7 +250,7 @@ class GoodputController:
         num_speculative_tokens: int,
         free_pause: bool,
         probe_interval: int = 16,
-        explore_interval: int = 32,
+        explore_interval: int = 64,
         hysteresis: float = 0.1,
     ) -> None:
         self.num_speculative_tokens = num_speculative_tokens
@@ -260,6 +264,7 @@ class GoodputController:
         self._requests: dict[str, _RequestState] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._last_time: float | None = None
+        self._last_prefilling = True
         self._last_draft_forwards = 0
         self._plans = 0
 
@@ -279,38 +284,55 @@ class GoodputController:
         states = [self._state(req_id) for req_id in req_ids]
         num_requests = len(req_ids)
         seq_lens = context_lens + query_lens
-        self._observe_cost(num_requests, int(query_lens.sum()), int(seq_lens.sum()), now)
+        prefilling = bool((context_lens < prompt_lens).any())
+        if not (prefilling or self._last_prefilling):
+            # Decode steps only: a prefill's cost (the target's and the
+            # draft's) says nothing about the choice, and would swamp it.
+            self._observe_cost(int(query_lens.sum()), now)
+        self._last_time, self._last_prefilling = now, prefilling
         self._observe_acceptance(states, context_lens, query_lens, prompt_lens)
         slots = np.array([s.slot for s in states], dtype=np.int64)
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         decoding = seq_lens >= prompt_lens
         drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
         probing = decoding & np.array(
-            [s.paused_steps >= self.probe_interval for s in states], dtype=bool
+            [s.paused_steps >= (s.probe_after or self.probe_interval) for s in states],
+            dtype=bool,
         )
         survival = np.where(decoding[:, None], self.acceptance.survival(slots), 0.0)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests,
-            context_tokens=int(seq_lens.sum()),
             other_tokens=int(np.where(decoding, 0, query_lens).sum()),
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
         )
         plan = self._explore(plan, decoding)
-        for state, length, probe in zip(states, plan.draft_lengths, probing):
+        for state, length, probe, decodes in zip(states, plan.draft_lengths, probing, decoding):
             state.drafted = int(length)
             state.paused_steps = 0 if length else state.paused_steps + 1
-            self.stats.probes += bool(probe and length)
+            if decodes:
+                state.drafted_steps += bool(length)
+                state.paused_decode_steps += not length
+            if probe and length:
+                # A request whose probes keep failing is probed less often.
+                self.stats.probes += 1
+                state.probe_after = min(2 * (state.probe_after or self.probe_interval),
+                                        MAX_PROBE_BACKOFF * self.probe_interval)
+            elif length:
+                state.probe_after = 0
         decoding_lengths = plan.draft_lengths[decoding]
         self.stats.chosen_lengths += np.bincount(
             decoding_lengths, minlength=self.num_speculative_tokens + 1
         )
         self.stats.drafted_request_steps += int((decoding_lengths > 0).sum())
         self.stats.paused_request_steps += int((decoding_lengths == 0).sum())
-        self._last_draft_forwards = plan.draft_steps if (plan.draft_steps or not
-                                                         self.free_pause) else 0
-        self.stats.skipped_draft_forwards += self._last_draft_forwards == 0
         self._plans += 1
         return plan
+
+    def record_forwards(self, draft_forwards: int) -> None:
+        """The draft forwards this step ran after the plan (0: skipped; one
+        first pass when rows prefill or the drafter cannot skip)."""
+        self._last_draft_forwards = draft_forwards
+        self.stats.skipped_draft_forwards += draft_forwards == 0
 
     def finish(self, req_ids) -> None:
         """Forget requests that left the batch (finished or aborted)."""
@@ -318,6 +340,17 @@ class GoodputController:
             state = self._requests.pop(req_id, None)
             if state is not None:
                 self._free_slots.append(state.slot)
+                decode_steps = state.drafted_steps + state.paused_decode_steps
+                if decode_steps:
+                    self.stats.request_paused_fraction.observe(
+                        torch.tensor(state.paused_decode_steps / decode_steps),
+                        torch.tensor(True))
+
+    def request_figures(self) -> dict[str, dict[str, int]]:
+        """Per live request: decode steps drafted and paused."""
+        return {req_id: {"drafted_steps": state.drafted_steps,
+                         "paused_steps": state.paused_decode_steps}
+                for req_id, state in self._requests.items()}
 
     # ---- internals -------------------------------------------------------
 
@@ -329,12 +362,12 @@ class GoodputController:
             self._requests[req_id] = state
         return state
 
-    def _observe_cost(self, num_requests: int, verified: int, context: int, now: float) -> None:
-        last, self._last_time = self._last_time, now
+    def _observe_cost(self, verified: int, now: float) -> None:
+        last = self._last_time
         if last is None:
             return
         seconds = now - last
-        features = step_features(num_requests, verified, context, self._last_draft_forwards)
+        features = step_features(verified, self._last_draft_forwards)
         if self.cost.observations >= 8:
             predicted = float(self.cost.predict(features))
             if predicted > 0 and seconds > 4 * predicted:
@@ -363,9 +396,10 @@ class GoodputController:
             state.verified_drafts = int(query_len) - 1 if decodes else 0
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray) -> DraftPlan:
-        """Warm-up: four plans at full K, then two with no drafts; after that,
-        every ``explore_interval`` plans, one of the other kind (all rows at
-        full K, or none drafting). The cost model then keeps seeing both."""
+        """Warm-up: two plans at full K, then two with no drafts; after that,
+        every ``explore_interval`` plans, one of the other kind (one draft
+        for every row, or none drafting). The cost model then keeps seeing
+        both, at the least cost."""
         if not decoding.any():
             return plan
         kind = WARM_UP_PLANS.get(self._plans)
@@ -373,7 +407,9 @@ class GoodputController:
             if (self._plans + 1) % self.explore_interval:
                 return plan
             kind = "draft" if plan.draft_steps == 0 else "pause"
-        if kind == "draft":
+        if kind == "warm-up":
             lengths = np.where(decoding, self.num_speculative_tokens, 0)
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
+        if kind == "draft":  # the cheapest drafting step: one draft each
+            return DraftPlan(np.where(decoding, 1, 0), 1, plan.expected_goodput)
         return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)

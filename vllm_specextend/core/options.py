@@ -18,6 +18,7 @@ RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
 DraftPositions = Literal["auto", "original", "compact"]
 SpeculationControl = Literal["off", "goodput"]
+RetrievalRefresh = Literal["interval", "acceptance"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
 # pair at 4K: 512 tokens keep acceptance within 0-5% of the full cache while
@@ -62,7 +63,21 @@ class SpecExtendConfig:
 
     retrieval_interval: int = 4
     """Verification steps between two retrievals; the selection is reused in
-    between, with newly filled blocks appended."""
+    between, with newly filled blocks appended. With ``retrieval_refresh``
+    ``acceptance``: the most steps between two retrievals."""
+
+    retrieval_refresh: RetrievalRefresh = "interval"
+    """``interval``: retrieve every ``retrieval_interval`` steps (the paper).
+    ``acceptance``: also retrieve as soon as a request's acceptance under its
+    current selection falls below ``1 - acceptance_drop`` of its own level,
+    so a longer ``retrieval_interval`` (e.g. 16) costs no acceptance when the
+    generation moves to another part of the context."""
+
+    acceptance_drop: float = 0.5
+    """``retrieval_refresh`` ``acceptance``: the relative drop of a request's
+    recent acceptance (drafts accepted / drafted, EWMA over the steps its
+    current selection drafted) below its longer-run level that triggers a
+    retrieval; in (0, 1)."""
 
     min_context_tokens: int = 2048
     """Contexts shorter than this are drafted with the full KV cache."""
@@ -94,6 +109,14 @@ class SpecExtendConfig:
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
         _check_choice("speculation_control", self.speculation_control, SpeculationControl)
+        _check_choice("retrieval_refresh", self.retrieval_refresh, RetrievalRefresh)
+        if (isinstance(self.acceptance_drop, bool)
+                or not isinstance(self.acceptance_drop, (int, float))
+                or not 0 < self.acceptance_drop < 1):
+            raise SpecExtendConfigError(
+                f"spec_extend option 'acceptance_drop'={self.acceptance_drop!r} is out of "
+                "range; allowed: a number between 0 and 1 (exclusive)"
+            )
         if self.chunk_size is not None:
             _check_int("chunk_size", self.chunk_size, minimum=1)
         if self.top_k_chunks is not None:

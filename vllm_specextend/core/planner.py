@@ -23,6 +23,7 @@ import torch
 
 from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend, refresh_cause
 from vllm_specextend.core.repositioning import streaming_recent_start_block
 from vllm_specextend.core.scoring import (
     ScoringWorkspace,
@@ -111,7 +112,9 @@ class _RequestState:
     slot: int
     steps_since_retrieval: int = 0
     has_selection: bool = False
-    retrievals: int = 0
+    acceptance: AcceptanceTrend = field(default_factory=AcceptanceTrend)
+    refreshes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFRESH_CAUSES, 0))
+    """Retrievals by cause."""
 
 
 @dataclass
@@ -122,6 +125,8 @@ class _StepRows:
     """Decode rows drafted through a selection."""
     due_rows: list[int] = field(default_factory=list)
     """Retrieval rows whose selection is recomputed this step."""
+    due_causes: list[str] = field(default_factory=list)
+    """Why each due row retrieves (``REFRESH_CAUSES``)."""
     windowed_prefill_rows: list[int] = field(default_factory=list)
     """Compact positions: prompt chunks beyond the draft's window, prefilled
     over the sink and the most recent blocks."""
@@ -294,6 +299,8 @@ class RetrievalPlanner:
         if self.compact_positions:
             eligible |= is_decode & beyond_window
 
+        acceptance_drop = (config.acceptance_drop
+                           if config.retrieval_refresh == "acceptance" else None)
         step = _StepRows(seq_lens=seq_lens)
         for row, req_id in enumerate(batch.req_ids):
             if not eligible[row]:
@@ -304,12 +311,14 @@ class RetrievalPlanner:
                 continue
             state = self._requests.get(req_id) or self._track(req_id)
             state.steps_since_retrieval += 1
+            state.acceptance.observe(int(batch.context_lens_cpu[row]),
+                                     int(batch.query_lens_cpu[row]), state.steps_since_retrieval)
             step.retrieval_rows.append(row)
-            if (
-                not state.has_selection
-                or state.steps_since_retrieval >= config.retrieval_interval
-            ):
+            cause = refresh_cause(state.has_selection, state.steps_since_retrieval,
+                                  state.acceptance, config.retrieval_interval, acceptance_drop)
+            if cause is not None:
                 step.due_rows.append(row)
+                step.due_causes.append(cause)
         return step
 
     def _stage(self, batch: PlanningBatch, step: _StepRows) -> _StagedRows:
@@ -377,11 +386,13 @@ class RetrievalPlanner:
         self._selected_blocks[due_slots, :num_blocks] = keep
         if config.score_aggregation == "accepted_tokens":
             self._score_sums[due_slots] = 0.0
-        for row in step.due_rows:
+        for row, cause in zip(step.due_rows, step.due_causes):
             state = self._requests[batch.req_ids[row]]
             state.has_selection = True
             state.steps_since_retrieval = 0
-            state.retrievals += 1
+            state.acceptance.new_selection(cause)
+            state.refreshes[cause] += 1
+            self.stats.refreshes[cause] += 1
         self.stats.retrievals += len(step.due_rows)
         if not self.compact_positions:
             return []
@@ -485,7 +496,8 @@ class RetrievalPlanner:
             "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
             "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
             "requests": {
-                req_id: {"retrievals": state.retrievals,
+                req_id: {"retrievals": sum(state.refreshes.values()),
+                         "refreshes": dict(state.refreshes),
                          **self.stats.request_figures(state.slot)}
                 for req_id, state in self._requests.items()
             },

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from vllm_specextend.core.catch_up import catch_up_layout
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
@@ -121,32 +122,21 @@ class V1Retrieval:
         starts = control.catch_up_starts(batch.req_ids, context_lens, budget)
         if starts is None:
             return kwargs
-        gaps = context_lens - starts
-        cad = kwargs["common_attn_metadata"]
-        new_query_start = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(query_lens + gaps, out=new_query_start[1:])
-        num_tokens, num_gap_tokens = int(query_lens.sum()), int(gaps.sum())
-        # Per new token: its row, its index in the row, whether it catches up.
-        rows = np.repeat(np.arange(num_rows), query_lens + gaps)
-        in_row = np.arange(num_tokens + num_gap_tokens) - new_query_start[rows]
-        caught_up = in_row < gaps[rows]
-        gap_start = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(gaps, out=gap_start[1:])
-        query_start = new_query_start - np.concatenate(([0], np.cumsum(gaps)))
-        order = np.where(caught_up, num_tokens + gap_start[rows] + in_row,
-                         query_start[rows] + in_row - gaps[rows])
-        gap_rows = rows[caught_up]
-        gap_positions = starts[gap_rows] + in_row[caught_up]
-        gap_ids = self.runner.input_batch.token_ids_cpu[gap_rows, gap_positions]
+        layout = catch_up_layout(query_lens, starts, context_lens - starts)
+        gap_ids = self.runner.input_batch.token_ids_cpu[layout.gap_rows, layout.gap_positions]
         device = self.device
-        order_gpu = torch.from_numpy(order).to(device, non_blocking=True)
+        order = torch.from_numpy(layout.order).to(device, non_blocking=True)
+        num_tokens = int(query_lens.sum())
         token_ids = kwargs["target_token_ids"][:num_tokens]
         positions = kwargs["target_positions"][:num_tokens]
         kwargs = dict(kwargs)
         kwargs["target_token_ids"] = torch.cat((
-            token_ids, torch.from_numpy(gap_ids).to(device, token_ids.dtype)))[order_gpu]
+            token_ids, torch.from_numpy(gap_ids).to(device, token_ids.dtype)))[order]
         kwargs["target_positions"] = torch.cat((
-            positions, torch.from_numpy(gap_positions).to(device, positions.dtype)))[order_gpu]
+            positions,
+            torch.from_numpy(layout.gap_positions).to(device, positions.dtype)))[order]
+        new_query_start = layout.query_start_loc
+        cad = kwargs["common_attn_metadata"]
         # Rows vLLM pads the batch with keep an empty query.
         padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
         query_start_cpu = torch.from_numpy(np.concatenate(
@@ -154,8 +144,8 @@ class V1Retrieval:
         kwargs["common_attn_metadata"] = cad.replace(
             query_start_loc=query_start_cpu.to(device, non_blocking=True),
             query_start_loc_cpu=query_start_cpu,
-            num_actual_tokens=num_tokens + num_gap_tokens,
-            max_query_len=int((query_lens + gaps).max()),
+            num_actual_tokens=int(new_query_start[-1]),
+            max_query_len=int(np.diff(new_query_start).max()),
             _num_computed_tokens_cache=None,
         )
         return kwargs

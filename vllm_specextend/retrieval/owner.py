@@ -13,8 +13,9 @@ it at three points of its life:
 
 It also answers the worker (memory outside the KV cache, metrics) and the
 benchmarks (``reconfigure``), and holds the engine's goodput control
-(``speculation_control.py``) when the options ask for it. Adapters only translate their runner's inputs
-into a :class:`PlanningBatch` and hand the view to their attention metadata.
+(``speculation_control.py``) when the options ask for it. Adapters only
+translate their runner's inputs into a :class:`PlanningBatch` and hand the
+view to their attention metadata.
 """
 
 from __future__ import annotations
@@ -88,14 +89,10 @@ class DraftRetrieval:
         self.kv_cache_gid = -1
         self.block_size = -1
         self.kv_copy: DraftKVCopy | None = None
+        self.max_num_reqs = max_num_reqs
         self.control: SpeculationControl | None = None
-        if setup.config.controls_speculation:
-            self.control = SpeculationControl(
-                max_num_reqs, setup.num_speculative_tokens,
-                # A draft model catches up from token ids; a head would need
-                # the target's hidden states of the skipped tokens.
-                free_pause=setup.method == "draft_model",
-            )
+        self._resting_control: SpeculationControl | None = None
+        self._set_up_control(setup.config)
 
     @property
     def config(self) -> SpecExtendConfig:
@@ -245,6 +242,23 @@ class DraftRetrieval:
         """Swap retrieval options between requests (the benchmarks' sweep and
         configuration switches); mode ``off`` drafts as stock vLLM does."""
         self.planner.reconfigure(config)
+        self._set_up_control(config)
+
+    def _set_up_control(self, config: SpecExtendConfig) -> None:
+        """Goodput control on or off; switched off, it keeps what it learnt
+        about this engine (step costs, acceptance) for when it is back on."""
+        if not config.controls_speculation:
+            self._resting_control = self.control or self._resting_control
+            self.control = None
+            return
+        self.control = self.control or self._resting_control
+        if self.control is None:
+            self.control = SpeculationControl(
+                self.max_num_reqs, self.setup.num_speculative_tokens,
+                # A draft model catches up from token ids; a head would need
+                # the target's hidden states of the skipped tokens.
+                free_pause=self.setup.method == "draft_model",
+            )
 
     def metrics_snapshot(self) -> dict[str, object]:
         snapshot = self.planner.metrics_snapshot()

@@ -38,6 +38,8 @@ class SpeculationControl:
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self.catch_up_tokens = 0
+        self.trace: list[dict[str, object]] | None = None
+        """Set to a list to record every plan (benchmarks: K over time)."""
         self._frontier: dict[str, int] = {}
         self._synced: set[str] = set()
 
@@ -67,7 +69,12 @@ class SpeculationControl:
                 self._frontier[req_id] = context_len
         prefilling = bool((context_lens < prompt_lens).any())
         runs = not (self.free_pause and plan.draft_steps == 0 and not prefilling)
+        self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
         self._synced = set(req_ids) if runs else set()
+        if self.trace is not None:
+            self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
+                               "draft_lengths": plan.draft_lengths.tolist(),
+                               "draft_forward": runs})
         return plan, runs
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
@@ -94,4 +101,6 @@ class SpeculationControl:
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": self.catch_up_tokens,
             "chosen_draft_lengths": stats.chosen_lengths.tolist(),
+            "request_paused_fraction": stats.request_paused_fraction.as_dict(),
+            "requests": self.controller.request_figures(),
         }
