@@ -107,6 +107,8 @@ def main(argv=None) -> None:
                          else "batch" if args.batch_sizes else "serve" if args.serve
                          else "main")
     out_dir = args.out or RESULTS_DIR / name
+    if args.refresh:
+        args.max_tokens = args.refresh_tokens  # the longest answer, in the title
     machine = machine_info()
     window = f" (window {args.draft_window})" if args.draft_window else ""
     drafter = "draft" if args.method == "draft_model" else f"{args.method} head"
