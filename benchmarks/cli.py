@@ -45,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "every draft configuration but draft_model_full")
     parser.add_argument("--configs", nargs="+",
                         default=["target", "draft_model", "cmr", "streaming"],
-                        help="target, draft_model, cmr, streaming; batched mode also goodput "
-                             "(cmr with speculation_control goodput); batched and served modes "
-                             "also cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
+                        help="target, draft_model, cmr, streaming; batched and served modes "
+                             "also goodput (cmr with speculation_control goodput) and "
+                             "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
                              "requests also draft_model_full, ngram")
     parser.add_argument("--spec-extend", default=None,
                         help="JSON spec_extend options for cmr/streaming (defaults otherwise)")

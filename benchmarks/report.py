@@ -3,6 +3,7 @@ one colour per configuration in every figure, and figure saving."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -46,7 +47,8 @@ def pyplot():
 
 def save_figure(fig, path: Path, title: str | None = None) -> None:
     if title:
-        fig.suptitle(title)
+        # About 12 characters per inch of figure at the default font size.
+        fig.suptitle(textwrap.fill(title, int(12 * fig.get_figwidth())))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)

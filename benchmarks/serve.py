@@ -32,7 +32,7 @@ from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, fmt
 from benchmarks.runs import K_BY_BATCH_SIZE
 
-SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch")
+SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch", "goodput")
 PASSAGE_STRIDE = 60_000
 SERVED_NAME = "target"
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -60,10 +60,12 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
         if config == "cmr_k_by_batch":
             speculative["num_speculative_tokens_per_batch_size"] = K_BY_BATCH_SIZE
         command += ["--speculative-config", json.dumps(speculative)]
-    if config in ("cmr", "streaming", "cmr_k_by_batch"):
+    if config in ("cmr", "streaming", "cmr_k_by_batch", "goodput"):
         base = json.loads(args.spec_extend) if args.spec_extend else {}
-        mode = "streaming" if config == "streaming" else "cmr"
-        command += ["--additional-config", json.dumps({"spec_extend": {**base, "mode": mode}})]
+        options = {**base, "mode": "streaming" if config == "streaming" else "cmr"}
+        if config == "goodput":
+            options["speculation_control"] = "goodput"
+        command += ["--additional-config", json.dumps({"spec_extend": options})]
     return command
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from vllm_specextend.core.goodput import (
-    FEATURES,
     AcceptanceEstimates,
     GoodputController,
     StepCostModel,
@@ -16,24 +15,30 @@ K = 3
 
 
 def fitted(weights: dict[str, float]) -> StepCostModel:
-    """A cost model that has learnt ``weights`` (seconds per feature unit)."""
-    model = StepCostModel()
-    model.weights = np.array([weights.get(name, 0.0) for name in FEATURES])
+    """A cost model that has learnt ``weights`` (seconds per feature unit;
+    ``draft_forwards``: seconds per draft step, linear in ``D``)."""
+    model = StepCostModel(K)
+    per_forward = weights.get("draft_forwards", 0.0)
+    model.weights = np.array([weights.get("step", 0.0), weights.get("verified_tokens", 0.0)]
+                             + [d * per_forward for d in range(1, K + 1)])
     model.observations = 100
     return model
 
 
-def test_the_cost_model_learns_a_linear_step_cost():
-    truth = np.array([0.050, 0.004, 0.030])
-    model = StepCostModel(forgetting=1.0)
+def test_the_cost_model_learns_a_step_cost_per_number_of_draft_steps():
+    # Not linear in D (as measured on a CPU at batch 1): one draft step costs
+    # more than two.
+    truth = np.array([0.050, 0.004, 0.080, 0.030, 0.090])
+    model = StepCostModel(K, forgetting=1.0)
     rng = np.random.default_rng(0)
     for _ in range(200):
         requests = int(rng.integers(1, 16))
         drafts = int(rng.integers(0, K + 1))
-        features = step_features(requests + int(rng.integers(0, requests * drafts + 1)), drafts)
+        features = step_features(requests + int(rng.integers(0, requests * drafts + 1)), drafts,
+                                 K)
         model.observe(features, float(features @ truth))
-    probe = step_features(20, 2)
-    assert model.predict(probe) == pytest.approx(probe @ truth, rel=1e-3)
+    for probe in (step_features(20, 2, K), step_features(3, 1, K), step_features(5, 0, K)):
+        assert model.predict(probe) == pytest.approx(probe @ truth, rel=5e-3)
     assert model.weights == pytest.approx(truth, rel=0.05)
 
 
@@ -64,7 +69,7 @@ def test_rows_draft_as_far_as_their_acceptance_pays():
     def goodput(lengths):
         positions = np.arange(K)
         gained = 3 + (survival * (positions < np.array(lengths)[:, None])).sum()
-        seconds = model.predict(step_features(3 + sum(lengths), max(lengths)))
+        seconds = model.predict(step_features(3 + sum(lengths), max(lengths), K))
         return gained / seconds
     assert plan.expected_goodput == pytest.approx(goodput(plan.draft_lengths))
     assert all(plan.expected_goodput >= goodput([k] * 3) for k in range(K + 1))
@@ -99,8 +104,12 @@ class SimulatedEngine:
     """Step time and acceptance of a batch of decoding requests, as an engine
     would show them to the controller."""
 
-    def __init__(self, controller, acceptance, step=0.05, per_token=0.005, draft_step=0.01):
+    def __init__(self, controller, acceptance, step=0.05, per_token=0.005, draft_step=0.01,
+                 step_seconds=None):
+        """``step_seconds``: seconds of a step by its number of draft steps
+        (instead of the linear costs)."""
         self.controller = controller
+        self.step_seconds = step_seconds
         self.acceptance = dict(acceptance)  # request -> acceptance per position
         self.context = {r: 1000 for r in acceptance}
         self.query = {r: 1 for r in acceptance}
@@ -114,7 +123,10 @@ class SimulatedEngine:
         context = np.array([self.context[r] for r in req_ids])
         query = np.array([self.query[r] for r in req_ids])
         step, per_token, draft_step = self.costs
-        self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
+        if self.step_seconds is not None:
+            self.now += self.step_seconds[self.draft_forwards]
+        else:
+            self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
         plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now)
         self.draft_forwards = plan.draft_steps  # a step with no drafts skips the forward
         self.controller.record_forwards(plan.draft_steps)
@@ -145,6 +157,25 @@ def test_a_request_whose_drafts_are_never_accepted_pauses_and_resumes_after_prob
     for _ in range(60):
         engine.step()
     assert engine.history[-1]["bad"] == K
+
+
+def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do_not():
+    # Step seconds by draft steps as measured at batch 1 on a CPU (bf16 Qwen
+    # pair, K=2): one draft costs more than two (a 2-token verification is
+    # slower than a 3-token one). Paused, the request is probed with one
+    # draft; a cost per draft forward, fitted on those probes, would price
+    # two drafts at 0.38 s and never resume.
+    controller = GoodputController(max_requests=2, num_speculative_tokens=2, free_pause=True,
+                                   probe_interval=8)
+    engine = SimulatedEngine(controller, {"r": 0.0}, step_seconds={0: 0.121, 1: 0.25, 2: 0.2})
+    for _ in range(60):
+        engine.step()
+    assert sum(h["r"] == 0 for h in engine.history[10:]) >= 40
+    engine.acceptance["r"] = 1.0
+    for _ in range(60):
+        engine.step()
+    steady = engine.history[-30:]
+    assert sum(h["r"] == 2 for h in steady) >= len(steady) - 2
 
 
 def test_drafting_stops_when_it_does_not_pay_for_anybody():

@@ -120,10 +120,16 @@ def run_mix(base, mix):
     return results
 
 
-def test_served_outputs_equal_target_only_server(target_model, draft_model):
+@pytest.fixture(scope="module")
+def served_reference(target_model):
+    """The request mix and what a target-only server answers to it."""
     mix = request_mix(target_model)
     with server(target_model) as (base, _):
-        reference = run_mix(base, mix)
+        return mix, run_mix(base, mix)
+
+
+def test_served_outputs_equal_target_only_server(served_reference, target_model, draft_model):
+    mix, reference = served_reference
     with server(target_model, draft_model, SMALL_CACHE) as (base, log):
         served = run_mix(base, mix)
         time.sleep(3)  # retrieval figures refresh with vLLM's stats log (1 s here)
@@ -141,6 +147,20 @@ def test_served_outputs_equal_target_only_server(target_model, draft_model):
     assert metrics["vllm:spec_extend_finished_requests_total"] > 0
     assert metrics["vllm:spec_extend_request_kept_fraction_count"] == metrics[
         "vllm:spec_extend_finished_requests_total"]
+
+
+def test_served_goodput_control_outputs_equal_target_only_server(served_reference, target_model,
+                                                                 draft_model):
+    mix, reference = served_reference
+    with server(target_model, draft_model,
+                {**SMALL_CACHE, "speculation_control": "goodput"}) as (base, _):
+        served = run_mix(base, mix)
+        time.sleep(3)
+        metrics = prometheus_values(requests.get(f"{base}/metrics", timeout=10).text)
+    assert served == reference
+    decided = (metrics["vllm:spec_extend_control_drafted_request_steps_total"]
+               + metrics["vllm:spec_extend_control_paused_request_steps_total"])
+    assert decided > len(mix) * MAX_TOKENS / 4
 
 
 def prometheus_values(text: str) -> dict[str, float]:

@@ -34,16 +34,27 @@ from vllm_specextend.core.counters import DeviceHistogram
 
 PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
-FEATURES = ("step", "verified_tokens", "draft_forwards")
-"""What one engine step costs, linearly: a base (the batch's target forward,
-which grows with its context and requests; the exponential forgetting tracks
-it), each token verified beyond it and each draft forward. Few features on
-purpose: a short window of steps must tell them apart."""
+def cost_features(max_draft_steps: int) -> tuple[str, ...]:
+    """What one engine step costs, linearly: a base (the batch's target
+    forward, which grows with its context and requests; the exponential
+    forgetting tracks it), each token verified beyond it, and the draft phase
+    as one cost per number of draft steps ``D`` (one-hot). A table rather
+    than a cost per forward: on CPUs the target's step is not linear in its
+    tokens at small batch (measured on the Qwen pair, bf16: verifying 2
+    tokens cost 0.154 s, 3 tokens 0.113 s, 1 token 0.121 s), and at batch 1
+    the tokens and ``D`` move together, so only a cost per ``D`` can tell
+    which ``D`` pays."""
+    return ("step", "verified_tokens") + tuple(f"draft_steps_{d}"
+                                               for d in range(1, max_draft_steps + 1))
 
 
-def step_features(verified_tokens: int, draft_forwards: int) -> np.ndarray:
-    """The cost features of one step (see ``FEATURES``)."""
-    return np.array([1.0, verified_tokens, draft_forwards], dtype=np.float64)
+def step_features(verified_tokens: int, draft_steps: int, max_draft_steps: int) -> np.ndarray:
+    """The cost features of one step (see :func:`cost_features`)."""
+    features = np.zeros(2 + max_draft_steps, dtype=np.float64)
+    features[0], features[1] = 1.0, verified_tokens
+    if draft_steps:
+        features[1 + min(draft_steps, max_draft_steps)] = 1.0
+    return features
 
 
 class StepCostModel:
@@ -51,11 +62,18 @@ class StepCostModel:
 
     Exponentially weighted ridge regression (recent steps count more; the
     ridge term keeps unidentified weights at zero until the data tells them
-    apart). Weights are clipped at zero: no feature makes a step cheaper.
+    apart: a number of draft steps never seen costs nothing beyond its
+    tokens, so the controller tries it when acceptance says it would pay, and
+    learns). The base and the per-token cost are clipped at zero; the cost of
+    ``D`` draft steps is not, since it corrects the per-token cost at small
+    batch, where the two move together (a 3-token step can cost less than a
+    2-token one).
     """
 
-    def __init__(self, forgetting: float = 0.98, ridge: float = 1e-6) -> None:
-        num = len(FEATURES)
+    def __init__(self, max_draft_steps: int, forgetting: float = 0.98,
+                 ridge: float = 1e-6) -> None:
+        self.max_draft_steps = max_draft_steps
+        num = len(cost_features(max_draft_steps))
         self.forgetting = forgetting
         self.ridge = ridge
         self._gram = np.zeros((num, num))
@@ -70,17 +88,24 @@ class StepCostModel:
         # Scale the ridge with the data so it stays a tie-breaker.
         scale = max(float(np.trace(self._gram)), 1.0)
         regularised = self._gram + self.ridge * scale * np.eye(len(features))
-        self.weights = np.clip(np.linalg.solve(regularised, self._moment), 0.0, None)
+        weights = np.linalg.solve(regularised, self._moment)
+        weights[:2] = np.maximum(weights[:2], 0.0)
+        self.weights = weights
 
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self.weights
+
+
+PROBE_SMOOTHING = 0.5
+"""EWMA weight of a probe's outcome (a drafting request's outcomes weigh
+``AcceptanceEstimates.smoothing``)."""
 
 
 class AcceptanceEstimates:
     """Per request slot and draft position: the EWMA of "accepted, given every
     earlier position was". New requests start from the engine-wide estimate."""
 
-    def __init__(self, max_requests: int, num_positions: int, smoothing: float = 0.5,
+    def __init__(self, max_requests: int, num_positions: int, smoothing: float = 0.2,
                  prior: float = 0.7) -> None:
         self.smoothing = smoothing
         self.engine_rates = np.full(num_positions, prior)
@@ -89,14 +114,19 @@ class AcceptanceEstimates:
     def start(self, slot: int) -> None:
         self.rates[slot] = self.engine_rates
 
-    def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+    def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
+                probed: np.ndarray | None = None) -> None:
         """Verification outcomes: row ``r`` (slot ``slots[r]``) had
         ``drafted[r]`` drafts, the first ``accepted[r]`` accepted. Position
-        ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``."""
+        ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``.
+        A probe (``probed[r]``) weighs ``PROBE_SMOOTHING``: after a pause the
+        request's estimate is stale."""
         positions = np.arange(self.rates.shape[1])
         tried = (positions[None, :] <= accepted[:, None]) & (positions[None, :] < drafted[:, None])
         hit = (positions[None, :] < accepted[:, None]).astype(np.float64)
         beta = self.smoothing
+        if probed is not None:
+            beta = np.where(probed, max(PROBE_SMOOTHING, beta), beta)[:, None]
         rates = self.rates[slots]
         self.rates[slots] = np.where(tried, (1 - beta) * rates + beta * hit, rates)
         tried_any = tried.any(axis=0)
@@ -104,7 +134,7 @@ class AcceptanceEstimates:
             mean_hit = hit.sum(axis=0) / np.maximum(tried.sum(axis=0), 1)
             engine = self.engine_rates
             self.engine_rates = np.where(
-                tried_any, (1 - beta) * engine + beta * mean_hit, engine
+                tried_any, (1 - self.smoothing) * engine + self.smoothing * mean_hit, engine
             )
 
     def survival(self, slots: np.ndarray) -> np.ndarray:
@@ -151,8 +181,7 @@ def choose_draft_lengths(
             least one token.
     """
     rows, max_k = survival.shape
-    weights = cost.weights
-    per_token = weights[FEATURES.index("verified_tokens")]
+    per_token = cost.weights[1]  # verified_tokens
     base_tokens = num_requests + other_tokens
     must = np.zeros(rows, dtype=bool) if must_draft is None else must_draft
     scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
@@ -161,7 +190,7 @@ def choose_draft_lengths(
         if must.any() and steps == 0:
             continue
         forwards = steps if (steps or free_pause) else 1
-        fixed = float(cost.predict(step_features(base_tokens, forwards)))
+        fixed = float(cost.predict(step_features(base_tokens, forwards, cost.max_draft_steps)))
         usable = survival[:, :steps]
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
@@ -179,7 +208,17 @@ def choose_draft_lengths(
                 break
             objective = new
         if steps and lengths.max(initial=0) < steps:
-            continue  # the same lengths with fewer draft steps cost less
+            # D draft steps are only what they cost if a row drafts D: the
+            # row likeliest to accept its D-th draft (at batch 1 the step's
+            # cost per D, not the per-token cost, decides).
+            row = int(np.argmax(usable[:, steps - 1]))
+            if usable[row, steps - 1] <= 0:
+                continue
+            lengths = lengths.copy()
+            lengths[row] = steps
+            gained = rows + (_expected_accepted(usable, lengths) / scale).sum()
+            seconds = fixed + per_token * lengths.sum()
+            objective = gained / seconds if seconds > 0 else 0.0
         if best is None or objective > best[0]:
             seconds = fixed + per_token * lengths.sum()
             goodput = (rows + _expected_accepted(usable, lengths).sum()) / seconds \
@@ -210,6 +249,10 @@ class _RequestState:
     the next step's context tells how many were accepted."""
     drafted: int = -1
     """Drafts planned at the previous step (-1: none planned)."""
+    probed: bool = False
+    """The previous plan's drafts were a probe."""
+    verified_probe: bool = False
+    """The drafts the previous step verified were a probe."""
     paused_steps: int = 0
     """Consecutive plans with no draft."""
     probe_after: int = 0
@@ -258,7 +301,7 @@ class GoodputController:
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.hysteresis = hysteresis
-        self.cost = StepCostModel()
+        self.cost = StepCostModel(num_speculative_tokens)
         self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
         self._requests: dict[str, _RequestState] = {}
@@ -267,6 +310,7 @@ class GoodputController:
         self._last_prefilling = True
         self._last_draft_forwards = 0
         self._plans = 0
+        self._explorations = 0
 
     # ---- per step --------------------------------------------------------
 
@@ -308,6 +352,7 @@ class GoodputController:
         plan = self._explore(plan, decoding)
         for state, length, probe, decodes in zip(states, plan.draft_lengths, probing, decoding):
             state.drafted = int(length)
+            state.probed = bool(probe and length)
             state.paused_steps = 0 if length else state.paused_steps + 1
             if decodes:
                 state.drafted_steps += bool(length)
@@ -367,7 +412,7 @@ class GoodputController:
         if last is None:
             return
         seconds = now - last
-        features = step_features(verified, self._last_draft_forwards)
+        features = step_features(verified, self._last_draft_forwards, self.num_speculative_tokens)
         if self.cost.observations >= 8:
             predicted = float(self.cost.predict(features))
             if predicted > 0 and seconds > 4 * predicted:
@@ -388,18 +433,20 @@ class GoodputController:
             progress = context_lens[rows_array] - np.array([states[r].context_len
                                                             for r in rows])
             accepted = np.clip(progress - 1, 0, drafted)
-            self.acceptance.observe(slots, drafted, accepted)
+            probed = np.array([states[r].verified_probe for r in rows])
+            self.acceptance.observe(slots, drafted, accepted, probed)
         decoding = context_lens >= prompt_lens
         for state, context_len, query_len, decodes in zip(states, context_lens, query_lens,
                                                           decoding):
             state.context_len = int(context_len)
             state.verified_drafts = int(query_len) - 1 if decodes else 0
+            state.verified_probe = state.probed
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray) -> DraftPlan:
         """Warm-up: two plans at full K, then two with no drafts; after that,
-        every ``explore_interval`` plans, one of the other kind (one draft
-        for every row, or none drafting). The cost model then keeps seeing
-        both, at the least cost."""
+        every ``explore_interval`` plans, one of the other kind (none
+        drafting, or every row drafting D, D cycling through 1..K). The cost
+        model then keeps seeing every number of draft steps."""
         if not decoding.any():
             return plan
         kind = WARM_UP_PLANS.get(self._plans)
@@ -410,6 +457,8 @@ class GoodputController:
         if kind == "warm-up":
             lengths = np.where(decoding, self.num_speculative_tokens, 0)
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
-        if kind == "draft":  # the cheapest drafting step: one draft each
-            return DraftPlan(np.where(decoding, 1, 0), 1, plan.expected_goodput)
+        if kind == "draft":
+            self._explorations += 1
+            steps = 1 + (self._explorations - 1) % self.num_speculative_tokens
+            return DraftPlan(np.where(decoding, steps, 0), steps, plan.expected_goodput)
         return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)

@@ -39,7 +39,8 @@ class SpeculationControl:
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self.catch_up_tokens = 0
         self.trace: list[dict[str, object]] | None = None
-        """Set to a list to record every plan (benchmarks: K over time)."""
+        """Set to a list to record every plan and the clock at it (benchmarks:
+        K and step seconds over time)."""
         self._frontier: dict[str, int] = {}
         self._synced: set[str] = set()
 
@@ -55,8 +56,8 @@ class SpeculationControl:
         self.controller.finish(left)
         for req_id in left:
             del self._frontier[req_id]
-        plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens,
-                                    self.clock())
+        now = self.clock()
+        plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
         for req_id, context_len in zip(req_ids, context_lens.tolist()):
             frontier = self._frontier.get(req_id)
@@ -74,7 +75,7 @@ class SpeculationControl:
         if self.trace is not None:
             self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
                                "draft_lengths": plan.draft_lengths.tolist(),
-                               "draft_forward": runs})
+                               "draft_forward": runs, "seconds": now})
         return plan, runs
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
