@@ -34,6 +34,7 @@ from vllm_specextend.core.counters import DeviceHistogram
 
 PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
+
 def cost_features(max_draft_steps: int) -> tuple[str, ...]:
     """What one engine step costs, linearly: a base (the batch's target
     forward, which grows with its context and requests; the exponential
