@@ -3,8 +3,8 @@
 # vLLM on the real Qwen2.5-Coder 1.5B/0.5B pair (fetched and converted once).
 # Without arguments: the main job (benchmarks/results/batch), batches of 1, 4
 # and 8 long passages at 1K, 4K and 8K tokens (target alone, stock
-# draft_model, cmr, streaming, and cmr under vLLM's K-by-batch-size
-# schedule), then its step-cost model.
+# draft_model, cmr, streaming, cmr under vLLM's K-by-batch-size schedule, and
+# cmr with goodput control), then its step-cost model.
 # With arguments: `python -m benchmarks ARGS` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +14,6 @@ if [ "$#" -gt 0 ]; then
   exec "$PY" -m benchmarks "$@"
 fi
 "$PY" -m benchmarks --batch-sizes 1 4 8 --lengths 1024 4096 8192 --max-tokens 48 \
-  --configs target draft_model cmr streaming cmr_k_by_batch --kv-cache-gib 4 --name batch
+  --configs target draft_model cmr streaming cmr_k_by_batch goodput --kv-cache-gib 4 \
+  --name batch
 exec "$PY" -m benchmarks.cost_model --results benchmarks/results/batch
