@@ -175,18 +175,23 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     return tuple(i for i in ids if 0 <= i <= num_layers)
 
 
+def seconds_per_token(kind: str, ttt_steps: int, epochs: int,
+                      rates: dict[str, dict[str, Any]] = MEASURED_RATES) -> tuple[float, float]:
+    """(hidden-state seconds, training seconds) per data token on ``kind``."""
+    rate = rates[kind]
+    return 1 / rate["hidden"], epochs / rate["train"][min(ttt_steps, max(rate["train"]))]
+
+
 def plan_budget(minutes: float, kind: str, ttt_steps: int, epochs: int,
                 rates: dict[str, dict[str, Any]] = MEASURED_RATES) -> dict[str, Any]:
     """Tokens of hidden states that fit in ``minutes`` with ``epochs`` passes
     of training over them, from the rates of ``kind``: N / hidden + epochs *
     N / train = the budget (less startup)."""
-    rate = rates[kind]
-    train = rate["train"][min(ttt_steps, max(rate["train"]))]
-    seconds = max(60.0, minutes * 60 - STARTUP_SECONDS)
-    tokens = seconds / (1 / rate["hidden"] + epochs / train)
-    return {"kind": kind, "dtype": rate["dtype"], "data_tokens": int(tokens),
-            "hidden_seconds": tokens / rate["hidden"],
-            "train_seconds": epochs * tokens / train, "rates": rate}
+    hidden, train = seconds_per_token(kind, ttt_steps, epochs, rates)
+    tokens = max(60.0, minutes * 60 - STARTUP_SECONDS) / (hidden + train)
+    return {"kind": kind, "dtype": rates[kind]["dtype"], "data_tokens": int(tokens),
+            "hidden_seconds": tokens * hidden, "train_seconds": tokens * train,
+            "rates": rates[kind]}
 
 
 # --- data: chat samples from the corpus -----------------------------------------
@@ -843,10 +848,8 @@ def main(argv=None) -> None:
     name = args.name or f"{Path(target).name}-eagle3-w{args.window}"
     out = args.out or heads_cache_dir() / name
     work = args.work or out.with_name(out.name + ".work")
-    rate = MEASURED_RATES[kind]
-    expected = (recipe.data_tokens / rate["hidden"]
-                + recipe.epochs * recipe.data_tokens
-                / rate["train"][min(recipe.ttt_steps, max(rate["train"]))] + STARTUP_SECONDS)
+    expected = (recipe.data_tokens * sum(seconds_per_token(kind, recipe.ttt_steps, recipe.epochs))
+                + STARTUP_SECONDS)
     print(f"eagle head: {recipe.data_tokens} tokens x {recipe.epochs} epochs, TTT "
           f"{recipe.ttt_steps}, {dtype} on {kind}: about {expected / 60:.0f} min here; "
           f"work folder {work}", flush=True)

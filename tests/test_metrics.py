@@ -19,8 +19,7 @@ def stats_after_two_requests() -> RetrievalStats:
     stats.record_step(torch.tensor([1]), torch.tensor([1001]),
                       removed_tokens=torch.tensor([751]),
                       acceptance_lengths=torch.tensor([2]))
-    stats.retrievals = 3
-    stats.refreshes.update(first=2, acceptance=1)
+    stats.refreshes.update(first=2, acceptance=1)  # 3 retrievals
     return stats
 
 

@@ -54,16 +54,19 @@ class RetrievalStats:
 
     max_requests: int
     device: torch.device
-    retrievals: int = 0
-    """Per-request selections recomputed."""
     refreshes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFRESH_CAUSES, 0))
-    """Retrievals by cause (``core.refresh.REFRESH_CAUSES``)."""
+    """Per-request selections recomputed, by cause (``core.refresh.REFRESH_CAUSES``)."""
     compacted_request_steps: int = 0
     """Request-steps drafted through a compacted block table."""
     finished_requests: int = 0
     """Requests retrieval served that have left the batch."""
     _totals: torch.Tensor = field(init=False, repr=False)
     _per_slot: torch.Tensor = field(init=False, repr=False)
+
+    @property
+    def retrievals(self) -> int:
+        """Per-request selections recomputed, whatever the cause."""
+        return sum(self.refreshes.values())
 
     def __post_init__(self) -> None:
         # context, kept, draft steps, accepted (acceptance lengths summed).

@@ -193,6 +193,13 @@ def choose_draft_lengths(
         forwards = steps if (steps or free_pause) else 1
         fixed = float(cost.predict(step_features(base_tokens, forwards, cost.max_draft_steps)))
         usable = survival[:, :steps]
+
+        def goodput(lengths: np.ndarray, weights: np.ndarray | float = 1.0) -> float:
+            """Expected tokens per second (accepted drafts divided by ``weights``)."""
+            seconds = fixed + per_token * lengths.sum()
+            gained = rows + (_expected_accepted(usable, lengths) / weights).sum()
+            return gained / seconds if seconds > 0 else 0.0
+
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
         # is kept when it is worth more than its verification time.
@@ -202,9 +209,7 @@ def choose_draft_lengths(
             keep = usable > (objective * per_token * scale)[:, None]
             lengths = np.cumprod(keep, axis=1).sum(axis=1)
             lengths = np.where(must, np.maximum(lengths, 1), lengths)
-            seconds = fixed + per_token * lengths.sum()
-            gained = rows + (_expected_accepted(usable, lengths) / scale).sum()
-            new = gained / seconds if seconds > 0 else 0.0
+            new = goodput(lengths, scale)
             if abs(new - objective) <= 1e-9 * max(new, 1.0):
                 break
             objective = new
@@ -217,14 +222,9 @@ def choose_draft_lengths(
                 continue
             lengths = lengths.copy()
             lengths[row] = steps
-            gained = rows + (_expected_accepted(usable, lengths) / scale).sum()
-            seconds = fixed + per_token * lengths.sum()
-            objective = gained / seconds if seconds > 0 else 0.0
+            objective = goodput(lengths, scale)
         if best is None or objective > best[0]:
-            seconds = fixed + per_token * lengths.sum()
-            goodput = (rows + _expected_accepted(usable, lengths).sum()) / seconds \
-                if seconds > 0 else 0.0
-            best = (objective, DraftPlan(lengths, steps, goodput))
+            best = (objective, DraftPlan(lengths, steps, goodput(lengths)))
     assert best is not None
     return best[1]
 

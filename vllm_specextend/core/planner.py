@@ -393,7 +393,6 @@ class RetrievalPlanner:
             state.acceptance.new_selection(cause)
             state.refreshes[cause] += 1
             self.stats.refreshes[cause] += 1
-        self.stats.retrievals += len(step.due_rows)
         if not self.compact_positions:
             return []
         # Kept context before the query: at most the working cache.
