@@ -59,6 +59,8 @@ class BatchMeasurement:
     same_as_target: bool | None = None
     control: dict | None = None
     """Goodput control's counts of the run (``goodput`` only)."""
+    acceptance_per_position: list[float] | None = None
+    """Share of drafts accepted up to each draft position."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -87,19 +89,32 @@ def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasur
         retrieval_s_per_step=(per_step(run.retrieval_s) if config in RETRIEVAL_CONFIGS
                               else None),
         kept_fraction=kept,
+        acceptance_per_position=run.acceptance_per_position,
     )
 
 
-def _engine_runs(args, engine_config: str, configs: list[str],
-                 prompts: dict[int, list[list[int]]], progress) -> tuple[list, dict]:
-    """All runs of one engine; returns measurements and output token ids."""
+def engine_spec_extend(args, engine_config: str, configs: list[str]) -> dict | None:
+    """``spec_extend`` of the engine that runs ``configs``: none for the target
+    alone, else cmr; with goodput control when ``goodput`` is among them (vLLM's
+    synchronous scheduler then serves every run of the engine)."""
+    if engine_config == "target":
+        return None
+    base = json.loads(args.spec_extend) if args.spec_extend else {}
+    spec_extend = {**base, "mode": "cmr"}
+    if engine_config == "cmr" and "goodput" in configs:
+        spec_extend["speculation_control"] = "goodput"
+    return spec_extend
+
+
+def engine_runs(args, engine_config: str, configs: list[str],
+                prompts: dict[int, list[list[int]]], progress,
+                spec_extend: dict | None = None) -> tuple[list, dict]:
+    """All runs of one engine (``spec_extend``: its options; the ``cmr``
+    engine switches its drafter between ``SWITCHED_CONFIGS``); returns
+    measurements and output token ids."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     base = json.loads(args.spec_extend) if args.spec_extend else {}
-    spec_extend = {**base, "mode": "cmr"} if engine_config != "target" else None
-    if engine_config == "cmr" and "goodput" in configs:
-        # Built with goodput control: vLLM's synchronous scheduler for every run.
-        spec_extend["speculation_control"] = "goodput"
     kwargs = engine_kwargs(args, engine_config, spec_extend) | {
         "enable_prefix_caching": True,
         "max_num_seqs": max(args.batch_sizes),
@@ -115,6 +130,8 @@ def _engine_runs(args, engine_config: str, configs: list[str],
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in passages], prefill,
                          use_tqdm=False)
             for batch_size in sorted(args.batch_sizes, reverse=True):
+                if batch_size > len(passages):
+                    continue  # a point left out of the grid (fewer passages)
                 batch = [TokensPrompt(prompt_token_ids=p) for p in passages[:batch_size]]
                 for config in configs:
                     if engine_config == "cmr":
@@ -168,7 +185,8 @@ def run_batch(args) -> dict[str, Any]:
     token_ids: dict = {}
     with tqdm(total=total, desc="batched benchmark", unit="run") as progress:
         for engine_config, engine_configs in engines:
-            runs, ids = _engine_runs(args, engine_config, engine_configs, prompts, progress)
+            runs, ids = engine_runs(args, engine_config, engine_configs, prompts, progress,
+                                    engine_spec_extend(args, engine_config, engine_configs))
             measurements += runs
             token_ids.update(ids)
     for m in measurements:

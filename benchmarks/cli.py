@@ -6,6 +6,7 @@
     python -m benchmarks --sweep | --needle              # sweep.py, needle.py
     python -m benchmarks --refresh                       # refresh.py
     python -m benchmarks --k-trace                       # k_trace.py
+    python -m benchmarks --eagle3                        # eagle3_long.py (EAGLE-3 head)
 """
 
 from __future__ import annotations
@@ -26,29 +27,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b",
                         help="local path, hub id, or a short name from benchmarks.real_models")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b",
-                        help="the draft model, or with --method eagle/eagle3 the EAGLE head")
+    parser.add_argument("--draft", default=None,
+                        help="the draft model (default qwen2.5-coder-0.5b), or with --method "
+                             "eagle/eagle3 the EAGLE head (--eagle3: default the head "
+                             "scripts/make_eagle_head.sh trains)")
     parser.add_argument("--method", default="draft_model",
                         choices=["draft_model", "eagle", "eagle3"],
                         help="speculative method of --draft; the draft_model configuration "
                              "is stock drafting with it")
     parser.add_argument("--heterogeneous-vocab", action="store_true",
                         help="draft with its own tokenizer (use_heterogeneous_vocab)")
-    parser.add_argument("--corpus", type=Path, nargs="+", default=[CORPUS_DIR])
+    parser.add_argument("--corpus", type=Path, nargs="+", default=None,
+                        help="texts or folders of texts (default the shipped corpus; "
+                             "--eagle3: the novel the head's training held out)")
     parser.add_argument("--offset", type=int, default=100_000,
                         help="character offset of the passages in the corpus")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="context lengths (default 1024 4096 8192; --sweep: 4096 8192; "
+                             "--eagle3: 1024 4096 8192 16384)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=None,
+                        help="num_speculative_tokens (default 4; --eagle3: the head's "
+                             "training-time test depth)")
     parser.add_argument("--draft-window", type=int, default=None,
                         help="cap the draft's window (speculative_config max_model_len) in "
                              "every draft configuration but draft_model_full")
-    parser.add_argument("--configs", nargs="+",
-                        default=["target", "draft_model", "cmr", "streaming"],
-                        help="target, draft_model, cmr, streaming; batched and served modes "
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="default target, draft_model, cmr, streaming; batched and "
+                             "served modes "
                              "also goodput (cmr with speculation_control goodput) and "
                              "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
-                             "requests also draft_model_full, ngram")
+                             "requests also draft_model_full, ngram; --eagle3: target, "
+                             "eagle3_full, eagle3_sliding, cmr, streaming, goodput (all by "
+                             "default)")
     parser.add_argument("--spec-extend", default=None,
                         help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
     parser.add_argument("--dtype", default="auto",
@@ -84,11 +95,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k-trace", action="store_true",
                         help="goodput control's drafts per request and step, for one batch "
                              "of --lengths (one request each), instead")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="an EAGLE-3 head on long inputs (stock full attention, sliding "
+                             "window, cmr, streaming, goodput; default --batch-sizes 1 4) "
+                             "instead")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="--eagle3: leave out batches of more prompt tokens than this "
+                             "(the smallest batch always runs)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default=None,
                         help="results folder under benchmarks/results "
-                             "(default: main, sweep, needle, refresh, k-trace, batch or serve)")
-    return parser.parse_args(argv)
+                             "(default: main, sweep, needle, refresh, k-trace, eagle3, batch "
+                             "or serve)")
+    args = parser.parse_args(argv)
+    if args.eagle3:
+        args.method = "eagle3"
+        args.batch_sizes = args.batch_sizes or [1, 4]
+        args.configs = args.configs or ["target", "eagle3_full", "eagle3_sliding", "cmr",
+                                        "streaming", "goodput"]
+    args.configs = args.configs or ["target", "draft_model", "cmr", "streaming"]
+    args.lengths = args.lengths or (
+        [4096, 8192] if args.sweep else [1024, 4096, 8192, 16384] if args.eagle3
+        else [1024, 4096, 8192])
+    return args
 
 
 def main(argv=None) -> None:
@@ -96,13 +125,22 @@ def main(argv=None) -> None:
     from benchmarks.real_models import resolve_model
 
     args.target = resolve_model(args.target)
-    args.draft = resolve_model(args.draft)
+    if args.eagle3:
+        from benchmarks.eagle_head import HELD_OUT_NOVEL, default_head_dir, head_draft_length
+
+        args.draft = args.draft or str(default_head_dir(args.target))
+        args.corpus = args.corpus or [CORPUS_DIR / f"{HELD_OUT_NOVEL}.txt.gz"]
+        args.k = args.k or head_draft_length(args.draft)
+    args.draft = resolve_model(args.draft or "qwen2.5-coder-0.5b")
+    args.corpus = args.corpus or [CORPUS_DIR]
+    args.k = args.k or 4
     if args.dtype == "auto":
         args.dtype = fast_dtype()
     # Slow CPUs can spend minutes on one long prefill step; vLLM's default
     # step timeout (300 s) would kill the engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
-    name = args.name or ("sweep" if args.sweep else "needle" if args.needle
+    name = args.name or ("sweep" if args.sweep else "eagle3" if args.eagle3
+                         else "needle" if args.needle
                          else "refresh" if args.refresh else "k-trace" if args.k_trace
                          else "batch" if args.batch_sizes else "serve" if args.serve
                          else "main")
@@ -116,9 +154,13 @@ def main(argv=None) -> None:
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_model']}, {machine['cpu_capability']}"
              f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")
+    if args.eagle3:
+        from benchmarks.eagle3_long import run_eagle3, write_eagle3
+
+        print(write_eagle3(run_eagle3(args), out_dir, title))
+        print(f"\nresults: {out_dir}/eagle3.{{json,md,png}}")
+        return
     if args.sweep:
-        if args.lengths == parse_args([]).lengths:
-            args.lengths = [4096, 8192]
         print(write_sweep(run_sweep(args), out_dir, title))
         print(f"\nresults: {out_dir}/sweep.{{json,md}}")
         return

@@ -71,6 +71,20 @@ def heads_cache_dir() -> Path:
     return default_cache_dir().parent / "heads"
 
 
+def default_head_dir(target: str, window: int = 1024) -> Path:
+    """Where the recipe puts the head of ``target`` (a folder or a short name)."""
+    return heads_cache_dir() / f"{Path(target).name}-eagle3-w{window}"
+
+
+def head_draft_length(head: str | Path, default: int = 3) -> int:
+    """The K a head was trained for (its training-time test depth, from the
+    recipe's ``eagle_head.json``), else ``default``."""
+    report = Path(head) / "eagle_head.json"
+    if not report.is_file():
+        return default
+    return json.loads(report.read_text())["vllm_config"]["num_speculative_tokens"]
+
+
 # --- what the machine is good at ------------------------------------------------
 
 
@@ -845,8 +859,8 @@ def main(argv=None) -> None:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
         data_tokens=args.data_tokens or plan["data_tokens"], epochs=args.epochs, lr=args.lr,
         dtype=dtype, checkpoint_freq=args.checkpoint_freq, seed=args.seed)
-    name = args.name or f"{Path(target).name}-eagle3-w{args.window}"
-    out = args.out or heads_cache_dir() / name
+    out = args.out or (heads_cache_dir() / args.name if args.name
+                       else default_head_dir(target, args.window))
     work = args.work or out.with_name(out.name + ".work")
     expected = (recipe.data_tokens * sum(seconds_per_token(kind, recipe.ttt_steps, recipe.epochs))
                 + STARTUP_SECONDS)

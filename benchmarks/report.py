@@ -27,12 +27,13 @@ CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:re
                  "streaming": "tab:green", "draft_model_full": "tab:purple",
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
                  "goodput": "tab:cyan", "cmr_every_16": "tab:pink",
-                 "cmr_on_drops": "goldenrod"}
+                 "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
+                 "eagle3_sliding": "tab:olive"}
 
 
 def config_color(config: str) -> str:
     """One colour per configuration, the same in every figure."""
-    return CONFIG_COLORS.get(config, "tab:olive")
+    return CONFIG_COLORS.get(config, "black")
 
 
 def pyplot():

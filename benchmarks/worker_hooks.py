@@ -99,13 +99,20 @@ def _retrieval(runner):
     return getattr(drafter, "retrieval", None)
 
 
-def spec_counters(llm) -> dict[str, float]:
-    counters = {}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(llm) -> dict[str, Any]:
+    """vLLM's spec-decode counters; ``PER_POSITION``: accepted drafts by
+    position in the draft (a list)."""
+    counters: dict[str, Any] = {}
     for metric in llm.get_metrics():
         if metric.name in ("vllm:spec_decode_num_drafts",
                            "vllm:spec_decode_num_accepted_tokens",
                            "vllm:spec_decode_num_draft_tokens"):
             counters[metric.name] = metric.value
+        elif metric.name == PER_POSITION:
+            counters[metric.name] = list(metric.values)
     return counters
 
 
@@ -125,10 +132,18 @@ class RunDeltas:
     """``kept_tokens`` / ``context_tokens``: retrieval's view of the run
     (None without a SpecExtend drafter)."""
     context_tokens: int | None
+    accepted_per_position: list[float]
 
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_per_position(self) -> list[float] | None:
+        """Share of drafts whose token at each position was accepted."""
+        if not self.drafts:
+            return None
+        return [accepted / self.drafts for accepted in self.accepted_per_position]
 
 
 def run_deltas(c0: dict, c1: dict, t0: dict, t1: dict) -> RunDeltas:
@@ -146,4 +161,8 @@ def run_deltas(c0: dict, c1: dict, t0: dict, t1: dict) -> RunDeltas:
         retrieval_s=t1["retrieval"] - t0["retrieval"],
         kept_tokens=None if s1 is None else s1["kept_tokens"] - s0["kept_tokens"],
         context_tokens=None if s1 is None else s1["context_tokens"] - s0["context_tokens"],
+        accepted_per_position=[
+            after - before for after, before in zip(
+                c1.get(PER_POSITION, []),
+                c0.get(PER_POSITION, []) + [0] * len(c1.get(PER_POSITION, [])))],
     )

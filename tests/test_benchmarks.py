@@ -1,13 +1,15 @@
 """The benchmarks' command lines end to end, on the tiny models: the main
 job's batched grid (``python -m benchmarks --batch-sizes ...``) and its
 step-cost model (``python -m benchmarks.cost_model``), as
-``scripts/run_benchmark.sh`` runs them, and the option sweep."""
+``scripts/run_benchmark.sh`` runs them, the option sweep, the refresh and K-trace
+modes, and the EAGLE-3 long-input mode (``--eagle3``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +181,53 @@ def test_k_trace_records_the_drafts_of_every_request_at_every_step(
             assert set(r["draft_lengths"]) <= {0, 1, 2, 3}
             assert r["context_lens"] == sorted(r["context_lens"])
     assert (tmp_path / "k_trace.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_eagle3_benchmark_shows_the_collapse_past_the_window_that_cmr_fixes(tmp_path):
+    from tests.eagle_heads import build_trained_eagle_head
+    from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+
+    # A head trained on 512-token sequences (the one test_engine_eagle.py uses).
+    target = build_damped_attention_copy(TARGET_LLAMA, 0.05)
+    head = build_trained_eagle_head(target, kind="eagle3", window=512)
+    options = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256,
+               "min_context_tokens": 512}
+    lengths = (384, 1536)
+    run_module("benchmarks", "--eagle3", "--target", str(target), "--draft", str(head),
+               "--lengths", *map(str, lengths), "--batch-sizes", "1", "2",
+               "--max-batch-tokens", "1024", "--max-tokens", "16",
+               "--dtype", "float32", "--block-size", "32", "--kv-cache-gib", "1",
+               "--corpus", str(REPO_ROOT / "corpus" / "austen"),
+               "--spec-extend", json.dumps(options), "--out", str(tmp_path))
+    result = json.loads((tmp_path / "eagle3.json").read_text())
+    configs = ("target", "eagle3_full", "eagle3_sliding", "cmr", "streaming", "goodput")
+    # --max-batch-tokens 1024: batch 2 at 384 tokens only.
+    points = [(1, 384), (2, 384), (1, 1536)]
+    assert sorted((r["config"], r["batch_size"], r["context_tokens"])
+                  for r in result["measurements"]) == sorted(
+                      (c, b, n) for c in configs for b, n in points)
+    rows = {(r["config"], r["context_tokens"]): r for r in result["measurements"]
+            if r["batch_size"] == 1}
+    # float32: lossless in every configuration.
+    assert all(r["same_as_target"] is True for r in result["measurements"])
+    for (config, _), r in rows.items():
+        if config == "target":
+            continue
+        per_position = r["acceptance_per_position"]
+        assert len(per_position) == 3  # K: the head's default depth
+        assert per_position == sorted(per_position, reverse=True)
+        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(per_position))
+    acceptance = {key: r["mean_acceptance_length"] for key, r in rows.items()}
+    # Inside the window every configuration drafts the same.
+    assert (acceptance[("eagle3_full", 384)] == acceptance[("eagle3_sliding", 384)]
+            == acceptance[("cmr", 384)])
+    # Past it, the stock head at positions it never trained at drafts worse
+    # than the same head at compact positions.
+    assert acceptance[("cmr", 1536)] > acceptance[("eagle3_full", 1536)]
+    assert rows[("cmr", 1536)]["kept_fraction"] < 0.5
+    full, sliding = (json.loads((Path(result["head_variants"][c]) / "config.json").read_text())
+                     for c in ("eagle3_full", "eagle3_sliding"))
+    assert full["max_position_embeddings"] == sliding["max_position_embeddings"] == 1536 + 16 + 64
+    assert sliding["layer_types"] == ["sliding_attention"] and sliding["sliding_window"] == 512
+    assert "## Bars" in (tmp_path / "eagle3.md").read_text()
+    assert (tmp_path / "eagle3.png").read_bytes().startswith(PNG_MAGIC)
