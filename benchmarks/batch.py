@@ -1,7 +1,8 @@
 """Batched long-context benchmark: N different passages in one ``LLM.generate``
 call per configuration, against stock vLLM.
 
-Engines with prefix caching: the target alone; the target with the draft,
+Engines with prefix caching: the target alone (``target_sync``: under vLLM's
+synchronous scheduler, as goodput control runs); the target with the draft,
 where stock drafting (``mode: off``), cmr and streaming are switched between
 runs, and ``goodput`` (cmr with ``speculation_control: goodput``); and, for
 ``cmr_k_by_batch``, cmr under vLLM's own K-by-batch-size schedule
@@ -33,7 +34,8 @@ from benchmarks.worker_hooks import (
     spec_counters,
 )
 
-BATCH_CONFIGS = ("target", "draft_model", "cmr", "streaming", "goodput", "cmr_k_by_batch")
+BATCH_CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
+                 "cmr_k_by_batch")
 RETRIEVAL_CONFIGS = ("cmr", "streaming", "goodput", "cmr_k_by_batch")
 SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming", "goodput")
 """Run in one engine, its drafter reconfigured between runs."""
@@ -97,7 +99,7 @@ def engine_spec_extend(args, engine_config: str, configs: list[str]) -> dict | N
     """``spec_extend`` of the engine that runs ``configs``: none for the target
     alone, else cmr; with goodput control when ``goodput`` is among them (vLLM's
     synchronous scheduler then serves every run of the engine)."""
-    if engine_config == "target":
+    if engine_config in ("target", "target_sync"):
         return None
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     spec_extend = {**base, "mode": "cmr"}
@@ -174,7 +176,7 @@ def run_batch(args) -> dict[str, Any]:
         for length in args.lengths
     }
     configs = [c for c in args.configs if c in BATCH_CONFIGS]
-    engines = [("target", ["target"])] if "target" in configs else []
+    engines = [(c, [c]) for c in ("target", "target_sync") if c in configs]
     switched = [c for c in configs if c in SWITCHED_CONFIGS]
     if switched:
         engines.append(("cmr", switched))

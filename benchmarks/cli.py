@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=None,
                         help="default target, draft_model, cmr, streaming; batched and "
                              "served modes "
-                             "also goodput (cmr with speculation_control goodput) and "
+                             "also goodput (cmr with speculation_control goodput), "
+                             "target_sync (the target alone, synchronous scheduler) and "
                              "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
                              "requests also draft_model_full, ngram; --eagle3: target, "
                              "eagle3_full, eagle3_sliding, cmr, streaming, goodput (all by "

@@ -101,7 +101,7 @@ def h100_projection(rows: list[dict], target: dict, draft: dict, k: int,
         verify = (target["weight_bytes"] + b * n * target["kv_bytes_per_token"])
         step_bytes = verify
         acceptance = 1.0
-        if config != "target":
+        if config not in ("target", "target_sync"):
             acceptance = r["mean_acceptance_length"] or 1.0
             draft_context = n
             if config in ("cmr", "streaming") and r["kept_fraction"] is not None:

@@ -97,8 +97,6 @@ def run_eagle3(args) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    if args.method != "eagle3":
-        raise SystemExit("--eagle3 measures an EAGLE-3 head: --method eagle3")
     head = Path(args.draft)
     if not (head / "config.json").is_file():
         raise SystemExit(f"no EAGLE-3 head in {head}: make it with scripts/make_eagle_head.sh "

@@ -23,17 +23,17 @@ def fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 
 
-CONFIG_COLORS = {"target": "tab:gray", "draft_model": "tab:blue", "cmr": "tab:red",
-                 "streaming": "tab:green", "draft_model_full": "tab:purple",
+CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "draft_model": "tab:blue",
+                 "cmr": "tab:red", "streaming": "tab:green", "draft_model_full": "tab:purple",
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
                  "goodput": "tab:cyan", "cmr_every_16": "tab:pink",
                  "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
-                 "eagle3_sliding": "tab:olive"}
+                 "eagle3_sliding": "darkkhaki"}
 
 
 def config_color(config: str) -> str:
     """One colour per configuration, the same in every figure."""
-    return CONFIG_COLORS.get(config, "black")
+    return CONFIG_COLORS.get(config, "tab:olive")
 
 
 def pyplot():

@@ -82,6 +82,10 @@ def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]
     if config == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    elif config == "target_sync":
+        # The target alone under vLLM's synchronous scheduler, which goodput
+        # control needs: what the scheduler mode alone costs.
+        kwargs["async_scheduling"] = False
     elif config != "target":
         kwargs["speculative_config"] = {"method": args.method, "model": args.draft,
                                         "num_speculative_tokens": args.k}
