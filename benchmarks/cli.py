@@ -121,6 +121,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def use_all_cores() -> None:
+    """vLLM's CPU worker reserves one core for the front end by default, which
+    halves a 2-core machine; offline runs and our single server want every
+    core for the model's threads (unless the user set the binding)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        contiguous = cores == list(range(cores[0], cores[-1] + 1))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+            f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from benchmarks.real_models import resolve_model
@@ -140,6 +152,7 @@ def main(argv=None) -> None:
     # Slow CPUs can spend minutes on one long prefill step; vLLM's default
     # step timeout (300 s) would kill the engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+    use_all_cores()
     name = args.name or ("sweep" if args.sweep else "eagle3" if args.eagle3
                          else "needle" if args.needle
                          else "refresh" if args.refresh else "k-trace" if args.k_trace

@@ -804,6 +804,80 @@ def run_recipe(recipe: Recipe, out: Path, work: Path, fresh: bool = False,
     return out
 
 
+# --- the recipe's record, for benchmarks/results ---------------------------------
+
+
+def write_head_results(head: Path, out_dir: Path) -> str:
+    """The head's ``eagle_head.json`` as results: the JSON, a markdown summary
+    and the training curve (loss and per-position accuracy per step, held-out
+    accuracy per epoch)."""
+    from benchmarks.report import pyplot, save_figure
+
+    report = json.loads((head / "eagle_head.json").read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eagle_head.json").write_text(json.dumps(report, indent=2))
+    recipe, data, times = report["recipe"], report["data"], report["times"]
+    machine = report["machine"]
+    lines = [
+        f"# EAGLE-3 head for {Path(recipe['target']).name}: window {recipe['window']}, "
+        f"TTT {recipe['ttt_steps']}, {recipe['dtype']}",
+        "",
+        f"Machine: {machine['cpu_count']} cores, {machine['cpu_model']} ({machine['kind']}); "
+        f"speculators {report['speculators']}.",
+        f"Data: {data['samples']} samples, {data['tokens']} tokens "
+        f"({data['heldout_samples']} held out, from {data['heldout_novel']}); "
+        f"{recipe['epochs']} epochs, {report['steps']} steps.",
+        "",
+        "| stage | minutes | tokens/s |",
+        "|---|---:|---:|",
+    ]
+    for stage, entry in times.items():
+        rate = entry.get("tokens_per_s")
+        lines.append(f"| {stage} | {entry['seconds'] / 60:.1f} | "
+                     f"{'-' if rate is None else f'{rate:.0f}'} |")
+    train_rate = report.get("median_train_tokens_per_s")
+    lines += [f"| total | {report['total_seconds'] / 60:.1f} | "
+              f"{'-' if train_rate is None else f'{train_rate:.0f} (training, median)'} |",
+              "", "Held out, per epoch (speculators' validation: accuracy per draft "
+              "position given the earlier ones, and the acceptance length they imply):", "",
+              "| epoch | loss | "
+              + " | ".join(f"acc. pos {k + 1}" for k in range(recipe["ttt_steps"]))
+              + " | acceptance length |",
+              "|---:|---:|" + "---:|" * recipe["ttt_steps"] + "---:|"]
+    for val in report["heldout"]:
+        cond = " | ".join("-" if c is None else f"{c:.3f}" for c in val["cond_acc"])
+        length = val["acceptance_length"]
+        lines.append(f"| {val['epoch']} | {val['loss']:.3f} | {cond} | "
+                     f"{'-' if length is None else f'{length:.2f}'} |")
+    (out_dir / "eagle_head.md").write_text("\n".join(lines) + "\n")
+
+    plt = pyplot()
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    curve = report["loss_curve"]
+    steps = [c["step"] for c in curve]
+    ax_loss.plot(steps, [c["loss"] for c in curve], color="tab:gray", linewidth=0.8)
+    ax_loss.set_xlabel("training step")
+    ax_loss.set_ylabel("training loss (sum over TTT positions)")
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    for k in range(recipe["ttt_steps"]):
+        color = colors[k % len(colors)]
+        ax_acc.plot(steps, [c["full_acc"][k] for c in curve], color=color, linewidth=0.8,
+                    alpha=0.6, label=f"train, position {k + 1}")
+        epoch_steps = [max(c["step"] for c in curve if c["epoch"] == v["epoch"])
+                       for v in report["heldout"]]
+        ax_acc.plot(epoch_steps, [v["full_acc"][k] for v in report["heldout"]], marker="o",
+                    linestyle="none", color=color, label=f"held out, position {k + 1}")
+    ax_acc.set_xlabel("training step")
+    ax_acc.set_ylabel("accuracy (draft accepted up to the position)")
+    ax_acc.legend(fontsize=8)
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    save_figure(fig, out_dir / "eagle_head.png",
+                f"EAGLE-3 head for {Path(recipe['target']).name}: {data['tokens']} tokens, "
+                f"{recipe['epochs']} epochs, TTT {recipe['ttt_steps']}, {recipe['dtype']}")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET,
@@ -835,6 +909,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-freq", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fresh", action="store_true", help="discard the work folder first")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also write the recipe's record (JSON, markdown, training "
+                             "curve) here, e.g. benchmarks/results/eagle3-head")
     args = parser.parse_args(argv)
     if args.window > 1024:
         parser.error("--window: the recipe trains short-window heads (<= 1024 tokens)")
@@ -868,6 +945,8 @@ def main(argv=None) -> None:
           f"{recipe.ttt_steps}, {dtype} on {kind}: about {expected / 60:.0f} min here; "
           f"work folder {work}", flush=True)
     head = run_recipe(recipe, out, work, fresh=args.fresh, plan=plan)
+    if args.results:
+        print(write_head_results(head, args.results))
     print(f"head: {head}\nvLLM: speculative_config={{\"method\": \"eagle3\", \"model\": "
           f"\"{head}\", \"num_speculative_tokens\": {recipe.ttt_steps}}}")
 

@@ -7,6 +7,7 @@ modes, and the EAGLE-3 long-input mode (``--eagle3``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,22 @@ def test_eagle3_benchmark_shows_the_collapse_past_the_window_that_cmr_fixes(tmp_
     assert sliding["layer_types"] == ["sliding_attention"] and sliding["sliding_window"] == 512
     assert "## Bars" in (tmp_path / "eagle3.md").read_text()
     assert (tmp_path / "eagle3.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_benchmarks_give_vllm_every_core_unless_the_user_binds(monkeypatch):
+    from benchmarks.cli import use_all_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    use_all_cores()
+    # vLLM would otherwise reserve a core for the front end: half of 2 cores.
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    use_all_cores()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1,3"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    use_all_cores()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"

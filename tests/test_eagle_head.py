@@ -16,6 +16,7 @@ from benchmarks.eagle_head import (
     plan_budget,
     run_recipe,
     vocab_coverage,
+    write_head_results,
 )
 from tests.tiny_models import TARGET_QWEN2, build_model
 
@@ -146,6 +147,18 @@ def test_recipe_resumes_training_from_its_checkpoint(interrupted_recipe):
     assert [s["step"] for s in report["loss_curve"]] == list(range(8))
     assert report["heldout"] and report["heldout"][-1]["acceptance_length"] >= 1.0
     assert report["times"]["hidden"]["seconds"] > 0 and report["times"]["train"]["seconds"] > 0
+
+
+def test_recipe_record_as_results(interrupted_recipe, tmp_path):
+    head, _, _ = interrupted_recipe
+    summary = write_head_results(head, tmp_path)
+    report = json.loads((head / "eagle_head.json").read_text())
+    assert json.loads((tmp_path / "eagle_head.json").read_text()) == report
+    # One row per held-out epoch, with the acceptance length its accuracies imply.
+    for val in report["heldout"]:
+        assert f"| {val['epoch']} | {val['loss']:.3f} |" in summary
+        assert f"{val['acceptance_length']:.2f} |" in summary
+    assert (tmp_path / "eagle_head.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_head_is_a_speculators_eagle3_checkpoint_vllm_reads(interrupted_recipe):
