@@ -117,13 +117,12 @@ def run_eagle3(args) -> dict[str, Any]:
         raise SystemExit(f"--eagle3: unknown configuration(s) {unknown}; choose from "
                          f"{list(EAGLE3_CONFIGS)}")
     configs = list(args.configs)
-    engines: list[tuple[str, list[str], Path]] = []
+    # Ours first: an option the engine refuses fails the run in its first minute.
+    ours = [c for c in OURS if c in configs]
+    engines: list[tuple[str, list[str], Path]] = [("cmr", ours, head)] if ours else []
     if "target" in configs:
         engines.append(("target", ["target"], head))
     engines += [(c, [c], variants[c]) for c in STOCK_VARIANTS if c in configs]
-    ours = [c for c in OURS if c in configs]
-    if ours:
-        engines.append(("cmr", ours, head))
     total = len(configs) * len(points)
     measurements: list[BatchMeasurement] = []
     token_ids: dict = {}

@@ -144,6 +144,25 @@ def test_sliding_window_draft_is_refused_with_reason(target_model, draft_model, 
         engine_config(target_model, sliding, spec_extend={})
 
 
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_layer_types_decide_whether_a_window_is_used(target_model, draft_model, tmp_path,
+                                                     layer_type):
+    # speculators' heads keep its default sliding_window (2048) beside layers
+    # that are all full attention: vLLM's Llama layers read layer_types.
+    import json
+
+    sliding = sliding_window_copy(draft_model, tmp_path, window=2048)
+    config = json.loads((sliding / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"],
+                  layer_types=[layer_type] * config["num_hidden_layers"])
+    (sliding / "config.json").write_text(json.dumps(config))
+    if layer_type == "full_attention":
+        engine_config(target_model, sliding, spec_extend={})
+    else:
+        with pytest.raises(SpecExtendConfigError, match=r"sliding_window=2048"):
+            engine_config(target_model, sliding, spec_extend={})
+
+
 def capped_draft(max_model_len):
     """speculative_config kwargs capping the draft's window (the user's way)."""
     return lambda draft: {"method": "draft_model", "model": str(draft),

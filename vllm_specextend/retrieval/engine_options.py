@@ -293,8 +293,8 @@ def _check_full_attention(role: str, model_config: Any) -> None:
         return
     if model_config.is_hybrid or model_config.is_attention_free:
         kind = "hybrid or attention-free layers (state-space / linear attention)"
-    elif model_config.get_sliding_window() is not None:
-        kind = f"sliding-window attention (sliding_window={model_config.get_sliding_window()})"
+    elif _sliding_window(model_config) is not None:
+        kind = f"sliding-window attention (sliding_window={_sliding_window(model_config)})"
     else:
         return
     raise SpecExtendConfigError(
@@ -302,6 +302,17 @@ def _check_full_attention(role: str, model_config: Any) -> None:
         f"draft, but the {role} model {model_config.model} uses {kind}, whose KV "
         "cache it cannot compact. Use full-attention models, or remove spec_extend."
     )
+
+
+def _sliding_window(model_config: Any) -> int | None:
+    """The model's sliding window, if any layer uses it. With ``layer_types``
+    the layers decide (vLLM's Llama layers read them): speculators' heads keep
+    its default ``sliding_window`` beside all-``full_attention`` layers."""
+    window = model_config.get_sliding_window()
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+    if window is not None and layer_types and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def _check_eagle3_aux_layers(vllm_config: Any) -> None:
