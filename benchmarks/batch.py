@@ -163,6 +163,15 @@ def engine_runs(args, engine_config: str, configs: list[str],
     return measurements, token_ids
 
 
+def mark_same_as_target(measurements: list[BatchMeasurement], token_ids: dict) -> None:
+    """``same_as_target`` of every run whose point the target alone measured
+    (``token_ids``: output ids by (config, batch size, length))."""
+    for m in measurements:
+        reference = token_ids.get(("target", m.batch_size, m.context_tokens))
+        if reference is not None:
+            m.same_as_target = token_ids[(m.config, m.batch_size, m.context_tokens)] == reference
+
+
 def run_batch(args) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -191,10 +200,7 @@ def run_batch(args) -> dict[str, Any]:
                                     engine_spec_extend(args, engine_config, engine_configs))
             measurements += runs
             token_ids.update(ids)
-    for m in measurements:
-        reference = token_ids.get(("target", m.batch_size, m.context_tokens))
-        if reference is not None:
-            m.same_as_target = token_ids[(m.config, m.batch_size, m.context_tokens)] == reference
+    mark_same_as_target(measurements, token_ids)
     return {
         "machine": machine_info(),
         "args": args_record(args),

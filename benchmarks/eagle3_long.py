@@ -38,6 +38,7 @@ from benchmarks.batch import (
     BatchMeasurement,
     engine_runs,
     engine_spec_extend,
+    mark_same_as_target,
 )
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
@@ -135,10 +136,7 @@ def run_eagle3(args) -> dict[str, Any]:
                                     progress, spec_extend)
             measurements += runs
             token_ids.update(ids)
-    for m in measurements:
-        reference = token_ids.get(("target", m.batch_size, m.context_tokens))
-        if reference is not None:
-            m.same_as_target = token_ids[(m.config, m.batch_size, m.context_tokens)] == reference
+    mark_same_as_target(measurements, token_ids)
     head_report = head / "eagle_head.json"
     return {
         "machine": machine_info(),
