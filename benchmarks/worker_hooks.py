@@ -161,8 +161,11 @@ def run_deltas(c0: dict, c1: dict, t0: dict, t1: dict) -> RunDeltas:
         retrieval_s=t1["retrieval"] - t0["retrieval"],
         kept_tokens=None if s1 is None else s1["kept_tokens"] - s0["kept_tokens"],
         context_tokens=None if s1 is None else s1["context_tokens"] - s0["context_tokens"],
-        accepted_per_position=[
-            after - before for after, before in zip(
-                c1.get(PER_POSITION, []),
-                c0.get(PER_POSITION, []) + [0] * len(c1.get(PER_POSITION, [])))],
+        accepted_per_position=_differences(c1.get(PER_POSITION, []), c0.get(PER_POSITION, [])),
     )
+
+
+def _differences(after: list, before: list) -> list:
+    """``after - before`` by position; positions ``before`` lacks count from 0
+    (vLLM creates the per-position counter at the first draft)."""
+    return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]

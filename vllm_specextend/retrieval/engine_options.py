@@ -291,10 +291,11 @@ def _check_full_attention(role: str, model_config: Any) -> None:
     """Refuse models whose KV cache is not one full-attention block table."""
     if model_config is None:
         return
+    window = _sliding_window(model_config)
     if model_config.is_hybrid or model_config.is_attention_free:
         kind = "hybrid or attention-free layers (state-space / linear attention)"
-    elif _sliding_window(model_config) is not None:
-        kind = f"sliding-window attention (sliding_window={_sliding_window(model_config)})"
+    elif window is not None:
+        kind = f"sliding-window attention (sliding_window={window})"
     else:
         return
     raise SpecExtendConfigError(
