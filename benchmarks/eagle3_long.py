@@ -44,6 +44,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
+from benchmarks.runs import engine_max_model_len
 
 EAGLE3_CONFIGS = ("target", "eagle3_full", "eagle3_sliding", "cmr", "streaming", "goodput")
 STOCK_VARIANTS = ("eagle3_full", "eagle3_sliding")
@@ -111,8 +112,8 @@ def run_eagle3(args) -> dict[str, Any]:
                  for i in range(max(b for b, n in points if n == length))]
         for length in args.lengths
     }
-    max_model_len = max(args.lengths) + args.max_tokens + 64
-    variants = stock_heads(head, max_model_len)
+    # The stock heads' window raised to the engines' max_model_len.
+    variants = stock_heads(head, engine_max_model_len(args))
     unknown = [c for c in args.configs if c not in EAGLE3_CONFIGS]
     if unknown:
         raise SystemExit(f"--eagle3: unknown configuration(s) {unknown}; choose from "
@@ -131,7 +132,7 @@ def run_eagle3(args) -> dict[str, Any]:
         for engine_config, engine_configs, draft in engines:
             engine_args = argparse.Namespace(**{**vars(args), "draft": str(draft)})
             spec_extend = (engine_spec_extend(args, engine_config, engine_configs)
-                           if engine_config in ("target", "cmr") else None)
+                           if engine_config == "cmr" else None)
             runs, ids = engine_runs(engine_args, engine_config, engine_configs, prompts,
                                     progress, spec_extend)
             measurements += runs

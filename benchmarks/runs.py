@@ -64,10 +64,15 @@ class Measurement:
     agreement_fraction: float | None = None
 
 
+def engine_max_model_len(args) -> int:
+    """The engines' ``max_model_len``: the longest prompt and its answer."""
+    return max(args.lengths) + args.max_tokens + 64
+
+
 def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=args.target,
-        max_model_len=max(args.lengths) + args.max_tokens + 64,
+        max_model_len=engine_max_model_len(args),
         enforce_eager=args.eager,
         dtype=args.dtype,
         gpu_memory_utilization=0.5,
