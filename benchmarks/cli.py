@@ -5,6 +5,7 @@
     python -m benchmarks --serve --concurrency 8         # vllm serve (serve.py)
     python -m benchmarks --sweep | --needle              # sweep.py, needle.py
     python -m benchmarks --refresh                       # refresh.py
+    python -m benchmarks --soak                          # soak.py (served, 30 min)
     python -m benchmarks --k-trace                       # k_trace.py
     python -m benchmarks --eagle3                        # eagle3_long.py (EAGLE-3 head)
 """
@@ -44,14 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="character offset of the passages in the corpus")
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
                         help="context lengths (default 1024 4096 8192; --sweep: 4096 8192; "
-                             "--eagle3: 1024 4096 8192 16384)")
+                             "--eagle3: 1024 4096 8192 16384; --soak: the long prompts, "
+                             "4096 8192 16384)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=None,
                         help="num_speculative_tokens (default 4; --eagle3: the head's "
                              "training-time test depth)")
     parser.add_argument("--draft-window", type=int, default=None,
                         help="cap the draft's window (speculative_config max_model_len) in "
-                             "every draft configuration but draft_model_full")
+                             "every draft configuration but draft_model_full (--soak: "
+                             "default 2048, compact positions)")
     parser.add_argument("--configs", nargs="+", default=None,
                         help="default target, draft_model, cmr, streaming; batched and "
                              "served modes "
@@ -87,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run the needle-retrieval benchmark instead")
     parser.add_argument("--needle-length", type=int, default=4096)
     parser.add_argument("--needle-tokens", type=int, default=12)
+    parser.add_argument("--soak", action="store_true",
+                        help="served soak: vllm serve with cmr and compact positions under "
+                             "a mixed load with faults, then every completed request "
+                             "replayed alone (benchmarks/soak.py; default float32)")
+    parser.add_argument("--soak-minutes", type=float, default=30)
+    parser.add_argument("--soak-tokens", type=int, default=32,
+                        help="greedy tokens per soak request")
     parser.add_argument("--refresh", action="store_true",
                         help="run the retrieval-refresh benchmark (fixed interval against "
                              "acceptance drops) instead")
@@ -117,7 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.configs = args.configs or ["target", "draft_model", "cmr", "streaming"]
     args.lengths = args.lengths or (
         [4096, 8192] if args.sweep else [1024, 4096, 8192, 16384] if args.eagle3
-        else [1024, 4096, 8192])
+        else [4096, 8192, 16384] if args.soak else [1024, 4096, 8192])
+    if args.soak:
+        args.draft_window = args.draft_window or 2048
     return args
 
 
@@ -147,6 +159,9 @@ def main(argv=None) -> None:
     args.draft = resolve_model(args.draft or "qwen2.5-coder-0.5b")
     args.corpus = args.corpus or [CORPUS_DIR]
     args.k = args.k or 4
+    if args.soak:
+        # Batched and solo outputs are compared token for token: float32.
+        args.dtype = "float32" if args.dtype == "auto" else args.dtype
     if args.dtype == "auto":
         args.dtype = fast_dtype()
     # Slow CPUs can spend minutes on one long prefill step; vLLM's default
@@ -154,7 +169,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     use_all_cores()
     name = args.name or ("sweep" if args.sweep else "eagle3" if args.eagle3
-                         else "needle" if args.needle
+                         else "needle" if args.needle else "soak" if args.soak
                          else "refresh" if args.refresh else "k-trace" if args.k_trace
                          else "batch" if args.batch_sizes else "serve" if args.serve
                          else "main")
@@ -202,6 +217,13 @@ def main(argv=None) -> None:
 
         print(write_refresh(run_refresh(args), out_dir, title))
         print(f"\nresults: {out_dir}/refresh.{{json,md,png}}")
+        return
+    if args.soak:
+        from benchmarks.soak import run_soak, write_soak
+
+        args.out = out_dir
+        print(write_soak(run_soak(args), out_dir, title))
+        print(f"\nresults: {out_dir}/soak.{{json,md,png}}")
         return
     if args.needle:
         print(write_needle(run_needle(args), out_dir))

@@ -2,7 +2,10 @@
 context; how much of the target's answer the draft proposes (draft acceptance
 on the answer span) with the full draft cache, streaming and cmr.
 
-    python -m benchmarks --needle [--needle-length 4096]
+    python -m benchmarks --needle [--needle-length 4096] [--configs cmr streaming]
+
+``--configs`` picks among draft_model, streaming and cmr; with
+``--draft-window`` the uncapped draft (draft_model_full) always runs too.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ def run_needle(args) -> dict[str, Any]:
     cases = [(depth, str(rng.randrange(10_000, 99_999))) for depth in NEEDLE_DEPTHS]
     prompts = [needle_prompt(tokenizer, text, args.needle_length, d, key) for d, key in cases]
     base = json.loads(args.spec_extend) if args.spec_extend else {}
-    configs = {"draft_model": None, "streaming": {**base, "mode": "streaming"},
-               "cmr": {**base, "mode": "cmr"}}
+    configs = {name: spec_extend for name, spec_extend in (
+        ("draft_model", None), ("streaming", {**base, "mode": "streaming"}),
+        ("cmr", {**base, "mode": "cmr"})) if name in args.configs}
     if args.draft_window:
+        # The uncapped draft: the reference the capped configurations are held to.
         configs = {"draft_model_full": None, **configs}
     params = SamplingParams(temperature=0.0, max_tokens=args.needle_tokens)
     rows = []
@@ -59,6 +64,7 @@ def run_needle(args) -> dict[str, Any]:
                     answer = output.outputs[0].text
                     rows.append({"config": name, "depth": depth, "passkey": key,
                                  "answer": answer, "target_correct": key in answer,
+                                 "drafted": drafted, "accepted": accepted,
                                  "draft_acceptance": accepted / drafted if drafted else None})
                     progress.update(1)
             finally:

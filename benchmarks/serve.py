@@ -57,6 +57,8 @@ def server_command(args, config: str, port: int, max_len: int) -> list[str]:
     if config != "target":
         speculative = {"method": args.method, "model": args.draft,
                        "num_speculative_tokens": args.k}
+        if args.draft_window:
+            speculative["max_model_len"] = args.draft_window
         if config == "cmr_k_by_batch":
             speculative["num_speculative_tokens_per_batch_size"] = K_BY_BATCH_SIZE
         command += ["--speculative-config", json.dumps(speculative)]

@@ -114,6 +114,7 @@ def to_device(batch: PlanningBatch, device) -> PlanningBatch:
     {"mode": "cmr"},
     {"mode": "cmr", "score_aggregation": "accepted_tokens"},
     {"mode": "streaming", "draft_window": 1024},  # compact positions, windowed prefill
+    {"mode": "cmr", "draft_window": 1024},  # and the last prompt chunk's retrieval
 ])
 def test_planning_never_reads_the_device_from_the_host(options, monkeypatch):
     # On the meta device every host read (.item(), .tolist(), .cpu(), bool(),
@@ -159,3 +160,41 @@ def test_mode_off_drafts_stock_and_drops_request_state():
     planner.reconfigure(SpecExtendConfig(mode="off"))
     assert planner.plan(planning_batch(**ROWS)) is None
     assert planner._requests == {}
+
+
+def test_the_last_prompt_chunk_already_attends_to_what_the_target_picks():
+    # Compact positions, cmr: a prompt longer than the draft's window is
+    # prefilled over sink + recent blocks, but the chunk that ends the prompt
+    # also gets the chunk the target's last prompt token attends to, so the
+    # first drafts after the prompt (a needle's answer) already see it.
+    from vllm_specextend.core.target_tap import TargetAttentionTap
+
+    window, heads, head_dim = 1024, 2, 8
+    config = SpecExtendConfig(mode="cmr", sink_tokens=16, recent_tokens=64, chunk_size=32,
+                              top_k_chunks=2, retrieval_interval=2)
+    planner = RetrievalPlanner(config, max_num_reqs=4, max_model_len=4096,
+                               max_num_speculative_tokens=K, draft_window=window,
+                               compact_positions=True, device=torch.device("cpu"))
+    layer = SimpleNamespace(num_heads=heads, num_kv_heads=heads, head_size=head_dim)
+    planner.allocate_scoring_workspace(layer, torch.float32)
+    tap = TargetAttentionTap(num_slots=256 * BLOCK_SIZE, max_num_tokens=1024, num_heads=heads,
+                             num_kv_heads=heads, head_dim=head_dim, scale=1.0,
+                             dtype=torch.float32, device=torch.device("cpu"))
+    planner.bind_kv_cache(tap, BLOCK_SIZE)
+    needle_blocks = [20, 21]  # chunk 10: positions 320-351, far before the recent blocks
+    tap.keys[needle_blocks[0] * BLOCK_SIZE:(needle_blocks[1] + 1) * BLOCK_SIZE] = 4.0
+    context, query = 2488, 512
+
+    def view_of_chunk(prompt_len):
+        batch = planning_batch([f"prompt{prompt_len}"], [query], [context], [prompt_len])
+        tap.queries[:query] = 0.0
+        tap.queries[query - 1] = 4.0  # the last token of the chunk looks for the needle
+        view = planner.plan(batch)
+        assert view is not None
+        assert view.kept_context_lens[0] + query + K <= window
+        kept = view.block_table[0, :-(-(context + query - view.removed_tokens[0]) // BLOCK_SIZE)]
+        return set(kept.tolist())
+
+    assert set(needle_blocks) <= view_of_chunk(prompt_len=context + query)
+    assert not set(needle_blocks) & view_of_chunk(prompt_len=context + query + 1000)
+    assert planner._requests == {}  # prefills keep no request state

@@ -130,6 +130,10 @@ class _StepRows:
     windowed_prefill_rows: list[int] = field(default_factory=list)
     """Compact positions: prompt chunks beyond the draft's window, prefilled
     over the sink and the most recent blocks."""
+    last_prompt_chunk_rows: list[int] = field(default_factory=list)
+    """cmr with compact positions: the windowed prompt chunks that end the
+    prompt; they also attend to the chunks the target's attention picks, so
+    the first drafts after the prompt already see them."""
     seq_lens: np.ndarray | None = None
     """``[num_reqs]``: context length including this step's query."""
 
@@ -298,6 +302,7 @@ class RetrievalPlanner:
         beyond_window = seq_lens + k > self.draft_window
         if self.compact_positions:
             eligible |= is_decode & beyond_window
+        ends_prompt = seq_lens >= np.asarray(batch.prompt_lens_cpu)
 
         acceptance_drop = (config.acceptance_drop
                            if config.retrieval_refresh == "acceptance" else None)
@@ -308,6 +313,8 @@ class RetrievalPlanner:
                     self._forget(req_id)
                     if self.compact_positions and beyond_window[row]:
                         step.windowed_prefill_rows.append(row)
+                        if config.mode == "cmr" and ends_prompt[row]:
+                            step.last_prompt_chunk_rows.append(row)
                 continue
             state = self._requests.get(req_id) or self._track(req_id)
             state.steps_since_retrieval += 1
@@ -410,23 +417,64 @@ class RetrievalPlanner:
         query_lens: torch.Tensor,
     ) -> list[WorkingCacheRewrite]:
         """Compact positions: a prompt chunk beyond the draft's window attends
-        to the sink and as many recent blocks as fit (StreamingLLM)."""
-        assert self._score_sums is not None
-        prefill = self._index_stager(step.windowed_prefill_rows)
+        to the sink and as many recent blocks as fit (StreamingLLM); with cmr,
+        the chunk that ends the prompt also attends to the top-k chunks of
+        the target's attention from the prompt's last token."""
+        assert step.seq_lens is not None
+        last_chunks = set(step.last_prompt_chunk_rows)
+        streaming_rows = [r for r in step.windowed_prefill_rows if r not in last_chunks]
+        if streaming_rows:
+            self._lay_out_prefill_rows(batch, streaming_rows, step.seq_lens, keep,
+                                       first_query_pos, query_lens, top_k_chunks=0)
+        if step.last_prompt_chunk_rows:
+            self._lay_out_prefill_rows(
+                batch, step.last_prompt_chunk_rows, step.seq_lens, keep, first_query_pos,
+                query_lens, top_k_chunks=self._top_k_chunks_beside_prompt_chunk(
+                    int(batch.query_lens_cpu[step.last_prompt_chunk_rows].max())),
+            )
+        rows = self._index_stager(step.windowed_prefill_rows)
+        return [WorkingCacheRewrite(rows, self.draft_window)]
+
+    def _top_k_chunks_beside_prompt_chunk(self, query_len: int) -> int:
+        """Retrieved chunks that fit in the draft's window beside the sink,
+        a prompt chunk of ``query_len`` tokens and the draft lookahead."""
+        free = (self.draft_window - self._sink_blocks * self.block_size - query_len
+                - self.max_num_speculative_tokens - (self.block_size - 1))
+        top_k = self.config.resolved_top_k_chunks(self.chunk_size)
+        return max(0, min(top_k, free // self.chunk_size))
+
+    def _lay_out_prefill_rows(
+        self,
+        batch: PlanningBatch,
+        rows: list[int],
+        seq_lens: np.ndarray,
+        keep: torch.Tensor,
+        first_query_pos: torch.Tensor,
+        query_lens: torch.Tensor,
+        top_k_chunks: int,
+    ) -> None:
+        """Keep the sink, ``top_k_chunks`` chunks scored by the target from
+        each row's last token, and the recent blocks that fit the window."""
+        rows_t = self._index_stager(rows)
+        if top_k_chunks > 0:
+            scores = self._chunk_scores(rows_t, batch, int(seq_lens[rows].max()),
+                                        num_query_rows=1)
+        else:
+            scores = torch.empty(len(rows), 0, device=self.device)
         recent_start_block = streaming_recent_start_block(
-            first_query_pos[prefill], query_lens[prefill], self.max_num_speculative_tokens,
-            self._sink_blocks, self.draft_window, self.block_size,
+            first_query_pos[rows_t], query_lens[rows_t], self.max_num_speculative_tokens,
+            self._sink_blocks, self.draft_window - top_k_chunks * self.chunk_size,
+            self.block_size,
         )
         num_blocks = self._num_blocks(batch)
-        keep[prefill, :num_blocks] = select_blocks(
-            self._score_sums.new_empty(len(step.windowed_prefill_rows), 0),
+        keep[rows_t, :num_blocks] = select_blocks(
+            scores,
             recent_start_block,
-            top_k_chunks=0,
+            top_k_chunks=top_k_chunks,
             sink_blocks=self._sink_blocks,
             blocks_per_chunk=self.chunk_size // self.block_size,
             num_blocks=num_blocks,
         )
-        return [WorkingCacheRewrite(prefill, self.draft_window)]
 
     def _record(
         self,
@@ -457,10 +505,29 @@ class RetrievalPlanner:
         max_context_len: int,
         accumulate: bool,
     ) -> None:
-        """Chunk scores from the target's last layer for the given batch rows."""
-        tap = self.tap
-        assert tap is not None and self._score_sums is not None
+        """Chunk scores from the target's last layer for the given batch rows,
+        kept per request slot."""
+        assert self._score_sums is not None
         num_query_rows = self.max_num_speculative_tokens + 1 if accumulate else 1
+        scores = self._chunk_scores(rows_t, batch, max_context_len, num_query_rows)
+        width = min(scores.shape[1], self._score_sums.shape[1])
+        if accumulate:
+            self._score_sums[slots, :width] += scores[:, :width]
+        else:
+            self._score_sums[slots] = 0.0
+            self._score_sums[slots, :width] = scores[:, :width]
+
+    def _chunk_scores(
+        self,
+        rows_t: torch.Tensor,
+        batch: PlanningBatch,
+        max_context_len: int,
+        num_query_rows: int,
+    ) -> torch.Tensor:
+        """Mean attention per token of each chunk, from the target's last
+        layer, for the last ``num_query_rows`` tokens of the given rows."""
+        tap = self.tap
+        assert tap is not None
         last = batch.last_token_indices[rows_t].long()
         query_index = last.view(-1, 1) - torch.arange(
             num_query_rows, device=self.device
@@ -477,13 +544,7 @@ class RetrievalPlanner:
         if self._sum_over_ranks is not None:
             sums = self._sum_over_ranks(sums)
         counts = chunk_token_counts(batch.seq_lens[rows_t], sums.shape[1], self.chunk_size)
-        scores = sums / counts.clamp(min=1)
-        width = min(scores.shape[1], self._score_sums.shape[1])
-        if accumulate:
-            self._score_sums[slots, :width] += scores[:, :width]
-        else:
-            self._score_sums[slots] = 0.0
-            self._score_sums[slots, :width] = scores[:, :width]
+        return sums / counts.clamp(min=1)
 
     # ---- per-request state ------------------------------------------------
 
