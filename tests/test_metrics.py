@@ -8,6 +8,8 @@ import torch
 from vllm_specextend.metrics import SpecExtendCollector
 from vllm_specextend.core.counters import RetrievalStats
 
+NO_PRIVATE_LAYOUTS = {"private_layout_areas": 0, "layouts_in_place": 0}
+
 
 def stats_after_two_requests() -> RetrievalStats:
     stats = RetrievalStats(max_requests=4, device=torch.device("cpu"))
@@ -49,7 +51,7 @@ def test_collector_renders_counters_gauges_and_histograms():
 
     stats = stats_after_two_requests()
     stats.finish_request(1)
-    snapshot = {**stats.as_dict(), "tracked_requests": 1,
+    snapshot = {**stats.as_dict(), "tracked_requests": 1, **NO_PRIVATE_LAYOUTS,
                 "request_kept_fraction": stats.request_kept_fraction.as_dict(),
                 "request_acceptance_length": stats.request_acceptance_length.as_dict()}
     registry = CollectorRegistry()
@@ -84,7 +86,7 @@ def test_figures_start_afresh_with_each_engine():
     unregister_vllm_metrics()  # earlier tests' engines may have published
     config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="tiny"))
     stats = stats_after_two_requests()
-    snapshot = {**stats.as_dict(), "tracked_requests": 0,
+    snapshot = {**stats.as_dict(), "tracked_requests": 0, **NO_PRIVATE_LAYOUTS,
                 "request_kept_fraction": stats.request_kept_fraction.as_dict(),
                 "request_acceptance_length": stats.request_acceptance_length.as_dict()}
     metrics.publish(config, [snapshot])
@@ -120,7 +122,7 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     collector = SpecExtendCollector()
     registry.register(collector)
     stats = stats_after_two_requests()
-    collector.update("tiny", {**stats.as_dict(), "tracked_requests": 1,
+    collector.update("tiny", {**stats.as_dict(), "tracked_requests": 1, **NO_PRIVATE_LAYOUTS,
                               "request_kept_fraction": stats.request_kept_fraction.as_dict(),
                               "request_acceptance_length":
                                   stats.request_acceptance_length.as_dict(),

@@ -25,11 +25,13 @@ _COUNTERS = {
     "context_tokens": "Context tokens of the compacted drafting steps.",
     "kept_tokens": "Tokens the draft attended to in the compacted drafting steps.",
     "finished_requests": "Requests served by retrieval that left the batch.",
+    "layouts_in_place": "Requests laid out in place for want of a free private layout area.",
 }
 _GAUGES = {
     "kept_fraction": "Kept tokens / context tokens over all compacted drafting steps.",
     "mean_acceptance_length": "Mean tokens per verification of retrieval-served requests.",
     "tracked_requests": "Requests holding per-request retrieval state now.",
+    "private_layout_areas": "Private draft layout areas (compact positions, prefix caching).",
 }
 _CONTROL_COUNTERS = {
     "drafted_request_steps": "Goodput control: request-steps with at least one draft.",

@@ -29,6 +29,10 @@ options every wrapper calls straight through.
 - ``LLMEngine.get_metrics`` and ``AsyncLLM.do_log_stats``: pull the retrieval
   figures from the worker into Prometheus first (``metrics.py``); the worker
   gains ``spec_extend_metrics`` for ``collective_rpc``.
+- ``EngineCore._initialize_kv_caches``: with compact draft positions and
+  prefix caching, the last KV blocks (``private_layout_blocks``) are kept
+  out of the scheduler's pool; each running request re-positions its draft
+  working cache into an area of them instead of into blocks it may share.
 - ``Worker``/``CPUWorker.determine_available_memory``: the share of the tap's
   key copy (and, with compact draft positions, of the plain draft KV copy) is
   taken off the memory reported for the KV cache, so vLLM sizes the cache
@@ -60,6 +64,7 @@ from vllm_specextend.retrieval.engine_options import (
     RetrievalSetup,
     controls_speculation,
     fit_prefill_chunks_to_draft_window,
+    private_layout_blocks,
     requests_spec_extend,
     resolve_setup,
 )
@@ -70,6 +75,7 @@ MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 MODEL_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 WORKER_CLASSES = {"vllm.v1.worker.gpu_worker": "Worker", "vllm.v1.worker.cpu_worker": "CPUWorker"}
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 PATCHED_MARK = "_specextend_wrapped"
@@ -84,6 +90,7 @@ def install() -> None:
     when_imported(MODEL_RUNNER_V2_MODULE, _patch_model_runner_v2_init)
     when_imported(LLM_ENGINE_MODULE, _patch_llm_engine_get_metrics)
     when_imported(ASYNC_LLM_MODULE, _patch_async_llm_do_log_stats)
+    when_imported(ENGINE_CORE_MODULE, _patch_engine_core_kv_caches)
     for module_name, class_name in WORKER_CLASSES.items():
         when_imported(module_name, functools.partial(_patch_worker_memory, class_name=class_name))
 
@@ -276,6 +283,30 @@ def _swap_while_runner_is_built(
         return __init__
 
     wrap_once(module.GPUModelRunner, "__init__", make_wrapper)
+
+
+def _patch_engine_core_kv_caches(module: ModuleType) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        def _initialize_kv_caches(self, vllm_config):
+            scheduler_kv_cache_config = original(self, vllm_config)
+            setup = resolve_setup(vllm_config)
+            if setup is None or not setup.private_layouts:
+                return scheduler_kv_cache_config
+            block_size = scheduler_kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            areas, per_area = private_layout_blocks(
+                setup, scheduler_kv_cache_config.num_blocks, block_size,
+                vllm_config.model_config.max_model_len)
+            scheduler_kv_cache_config.num_blocks -= areas * per_area
+            vllm_config.cache_config.num_gpu_blocks = scheduler_kv_cache_config.num_blocks
+            logger.info(
+                "SpecExtend: %d of the KV cache's blocks (%d tokens) kept for private "
+                "draft layouts of %d requests", areas * per_area,
+                areas * per_area * block_size, areas)
+            return scheduler_kv_cache_config
+
+        return _initialize_kv_caches
+
+    wrap_once(module.EngineCore, "_initialize_kv_caches", make_wrapper)
 
 
 def _every_row_drafts(common_attn_metadata: Any) -> bool:

@@ -78,8 +78,9 @@ class _FakeImpl:
     [(True, HEAD_DIM), (False, HEAD_DIM), (True, HEAD_DIM // 2), (False, HEAD_DIM // 2)],
     ids=["neox", "gptj", "neox-partial", "gptj-partial"],
 )
+@pytest.mark.parametrize("private_area", [False, True], ids=["in-place", "private-area"])
 def test_attention_over_repositioned_working_cache_equals_dense_compact_reference(
-    is_neox_style, rotary_dim
+    is_neox_style, rotary_dim, private_area
 ):
     torch.manual_seed(0)
     rope = vllm_rope(is_neox_style, rotary_dim)
@@ -92,7 +93,8 @@ def test_attention_over_repositioned_working_cache_equals_dense_compact_referenc
     slots = (block_table[0, torch.arange(context) // BLOCK] * BLOCK + torch.arange(context) % BLOCK)
 
     # The draft wrote its KV at the original positions, through the copy's tap.
-    layer = FakePagedLayer(num_slots)
+    area_blocks = 8  # private layouts: blocks past the scheduler's, for this request
+    layer = FakePagedLayer(num_slots + area_blocks * BLOCK)
     copy = DraftKVCopy(["draft.0"], num_slots, KV_HEADS, HEAD_DIM, layout,
                        max_num_tokens=context, dtype=torch.float32, device=torch.device("cpu"))
     install_draft_kv_copy({"draft.0": layer}, copy)
@@ -108,9 +110,15 @@ def test_attention_over_repositioned_working_cache_equals_dense_compact_referenc
     compact_table, removed = rewrite_block_table(block_table, keep, BLOCK)
     kept_tokens = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in kept_blocks])
     window = 64
-    compact_slots, valid = working_cache_slots(compact_table, torch.tensor([len(kept_tokens)]), window, BLOCK)
-    copy.write_working_cache({"draft.0": layer}, compact_slots.flatten(), valid.flatten(),
-                             torch.arange(window))
+    kept_slots, valid = working_cache_slots(compact_table, torch.tensor([len(kept_tokens)]), window, BLOCK)
+    draft_table = compact_table.clone()
+    if private_area:  # the kept blocks are read from the area: the shared ones stay as written
+        draft_table[0, :len(kept_blocks)] = num_blocks + torch.arange(len(kept_blocks))
+    compact_slots, _ = working_cache_slots(draft_table, torch.tensor([len(kept_tokens)]), window, BLOCK)
+    copy.write_working_cache({"draft.0": layer}, kept_slots.flatten(), compact_slots.flatten(),
+                             valid.flatten(), torch.arange(window))
+    if private_area:
+        assert torch.equal(layer.kv_cache[0, slots], written_keys)
     assert int(removed) == context - len(kept_tokens)
 
     # The query of the next token runs at compact position len(kept).

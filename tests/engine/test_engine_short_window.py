@@ -52,12 +52,31 @@ def target_alone(target_reference, damped_target, prompts):
 
 
 @pytest.fixture(scope="module")
-def compact_runs(damped_target, short_window_draft, prompts):
-    """The mixed batch, then its short rows alone, in one compact-position engine."""
+def compact_runs(damped_target, short_window_draft, prompts, document_questions):
+    """The mixed batch, then its short rows alone, then questions on one
+    cached document, in one compact-position engine (prefix caching on, as
+    vLLM's default: private layouts)."""
     with engine(damped_target, short_window_draft, spec_extend=OPTIONS, **DETAILED) as llm:
         mixed = collect_run(llm, prompts, MAX_TOKENS)
         short_only = collect_run(llm, [prompts[r] for r in SHORT], MAX_TOKENS)
-    return mixed, short_only
+        questions = ask_about_one_document(llm, document_questions)
+    return mixed, short_only, questions
+
+
+@pytest.fixture(scope="module")
+def document_questions(damped_target):
+    """One 2,500-token document (5x the draft's window) and four questions
+    of different lengths after it (so the shared document blocks sit at
+    different compact positions in each request)."""
+    document, *questions = corpus_prompts(damped_target, [2500, 20, 90, 170, 260])
+    return document, [document + q for q in questions]
+
+
+def ask_about_one_document(llm, document_questions):
+    """A first request caches the document; then all questions at once."""
+    document, prompts = document_questions
+    collect_run(llm, [document + prompts[0][len(document):][:10]], 4)
+    return collect_run(llm, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +115,7 @@ def test_stock_vllm_switches_drafting_off_for_the_whole_batch(stock, target_alon
 
 
 def test_short_rows_accept_as_in_a_batch_of_short_rows_only(compact_runs):
-    compact, short_only = compact_runs
+    compact, short_only, _ = compact_runs
     mixed = [accepted_draft_tokens(compact.request_spec_decode[r]) for r in SHORT]
     alone = [accepted_draft_tokens(m) for m in short_only.request_spec_decode]
     assert mixed == alone
@@ -106,30 +125,31 @@ def test_short_rows_accept_as_in_a_batch_of_short_rows_only(compact_runs):
 def test_plain_draft_kv_copy_is_counted_in_the_kv_cache_budget(compact, stock):
     # Target and draft have the same shape (4 layers). Per token, in one
     # layer's keys: the cache holds 2 models x 4 layers x K and V = 16, the
-    # plain draft copy 8 more, the tap 1: the same budget holds 16/25 of the blocks.
-    assert compact.num_kv_blocks == pytest.approx(stock.num_kv_blocks * 16 / 25, rel=0.01)
+    # plain draft copy 8 more, the tap 1: the same budget holds 16/25 of the
+    # blocks. Of those, 8 requests x 512 / 32 blocks are private layouts.
+    private_layout_blocks = 8 * WINDOW // 32
+    assert compact.num_kv_blocks + private_layout_blocks == pytest.approx(
+        stock.num_kv_blocks * 16 / 25, rel=0.01)
 
 
-def test_streaming_with_prefix_caching_equals_target_alone(
-    damped_target, short_window_draft, prompts, target_alone
+def test_questions_on_one_cached_document_draft_over_their_own_layouts(
+    compact_runs, damped_target, short_window_draft, document_questions, target_reference
 ):
-    # The second pass hits the prefix cache: blocks whose draft keys another
-    # request re-positioned are laid out again before use.
-    run = run_engine(damped_target, prompts, MAX_TOKENS, draft=short_window_draft,
-                     spec_extend={**OPTIONS, "mode": "streaming"},
-                     enable_prefix_caching=True, repeat=2, **DETAILED)
-    assert run.token_ids == target_alone * 2
-    assert acceptance_rate(run, LONG) > 0.3
-    assert run.retrieval["compacted_request_steps"] > 0
-
-
-def test_repositioning_keeping_everything_is_exact(target_model):
-    """Compact positions forced on an uncapped draft equal to the target, with
-    nothing removed: every kept key is rotated back and forth through the plain
-    copy each retrieval, and every draft token is still accepted."""
-    prompts = corpus_prompts(target_model, [2500, 3800])
-    run = run_engine(target_model, prompts, MAX_TOKENS, draft=target_model,
-                     spec_extend={"draft_positions": "compact", "top_k_chunks": 200,
-                                  "min_context_tokens": 0})
-    assert run.spec_decode["num_accepted_tokens"] == run.spec_decode["num_draft_tokens"] > 0
-    assert run.retrieval["retrievals"] > 0 and run.retrieval["kept_fraction"] == 1.0
+    # With prefix caching the four requests share the document's blocks,
+    # each at its own compact positions (questions of different lengths).
+    # Each lays its draft working cache out in its private area
+    # (tests/retrieval/test_private_layouts.py shows what in place does), so
+    # it keeps the acceptance of the same batch without prefix caching, where
+    # nothing is shared; outputs are the target's.
+    _, prompts = document_questions
+    private = compact_runs[2]
+    with engine(damped_target, short_window_draft, enable_prefix_caching=False,
+                spec_extend=OPTIONS, **DETAILED) as llm:
+        unshared = collect_run(llm, prompts, MAX_TOKENS)
+    assert private.token_ids == unshared.token_ids == target_reference(
+        damped_target, prompts, MAX_TOKENS)
+    for row in range(len(prompts)):
+        assert acceptance_rate(private, [row]) >= 0.95 * acceptance_rate(unshared, [row])
+    assert private.retrieval["private_layout_areas"] == 8
+    assert private.retrieval["layouts_in_place"] == 0
+    assert unshared.retrieval["private_layout_areas"] == 0

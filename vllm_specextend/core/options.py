@@ -95,6 +95,14 @@ class SpecExtendConfig:
     vLLM. ``auto``: ``compact`` when the draft's window (its ``max_model_len``)
     is shorter than the target's, else ``original``."""
 
+    private_layouts: bool = True
+    """Compact positions with prefix caching: each running request lays its
+    draft working cache out in blocks of its own, kept out of the
+    scheduler's pool (one draft window per request, at most a quarter of
+    the KV cache), so requests sharing a cached document each draft over
+    their own layout. ``False``: lay out in place, in the shared blocks
+    (more KV capacity; a request may draft over another's layout)."""
+
     speculation_control: SpeculationControl = "off"
     """``goodput``: per step and per request, draft only as many tokens as are
     expected to pay for their time (accepted tokens per second of the whole
@@ -110,6 +118,10 @@ class SpecExtendConfig:
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
         _check_choice("speculation_control", self.speculation_control, SpeculationControl)
         _check_choice("retrieval_refresh", self.retrieval_refresh, RetrievalRefresh)
+        if not isinstance(self.private_layouts, bool):
+            raise SpecExtendConfigError(
+                f"spec_extend option 'private_layouts'={self.private_layouts!r} must be "
+                "true or false")
         if (isinstance(self.acceptance_drop, bool)
                 or not isinstance(self.acceptance_drop, (int, float))
                 or not 0 < self.acceptance_drop < 1):

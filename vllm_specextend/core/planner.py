@@ -85,6 +85,10 @@ class DraftView:
     """``[num_reqs]``: context before the query that the draft still sees."""
     rewrites: list[WorkingCacheRewrite]
     """Compact positions only: working caches to re-position before drafting."""
+    kept_block_table: torch.Tensor | None = None
+    """With private layouts: ``block_table`` before its leading context blocks
+    were swapped for the request's private blocks (where the re-positioned
+    KV is read from); None: the same as ``block_table``."""
 
 
 def decode_rows(
@@ -107,9 +111,24 @@ def decode_rows(
     )
 
 
+@dataclass(frozen=True)
+class PrivateLayouts:
+    """Blocks kept out of the scheduler's pool: ``areas`` areas of
+    ``blocks_per_area`` blocks from ``first_block`` on, one per request that
+    has one, holding its re-positioned working cache."""
+
+    first_block: int
+    areas: int
+    blocks_per_area: int
+
+
 @dataclass
 class _RequestState:
     slot: int
+    area: int = -1
+    """Its private layout area (-1: laid out in place)."""
+    decoded: bool = False
+    """Tracked since a decode step (else only through windowed prefill)."""
     steps_since_retrieval: int = 0
     has_selection: bool = False
     acceptance: AcceptanceTrend = field(default_factory=AcceptanceTrend)
@@ -136,6 +155,8 @@ class _StepRows:
     the first drafts after the prompt already see them."""
     seq_lens: np.ndarray | None = None
     """``[num_reqs]``: context length including this step's query."""
+    private_rows: list[int] = field(default_factory=list)
+    """Rows with a private layout area (retrieval and windowed prefill)."""
 
     @property
     def empty(self) -> bool:
@@ -193,6 +214,12 @@ class RetrievalPlanner:
         self._score_sums: torch.Tensor | None = None
         self.scoring_workspace: ScoringWorkspace | None = None
         self._index_stager = IndexStager(max_num_reqs, device, depth=max(2, steps_in_flight))
+        self.private_layouts: PrivateLayouts | None = None
+        self._free_areas: list[int] = []
+        self._private_blocks = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        """Per request slot: leading kept blocks held in its private area."""
+        self.layouts_in_place = 0
+        """Requests laid out in place for want of a free private area."""
 
     def allocate_scoring_workspace(self, scoring_layer, dtype: torch.dtype) -> None:
         """Scoring's fixed workspace; call at model load, before vLLM
@@ -208,10 +235,17 @@ class RetrievalPlanner:
             device=self.device,
         )
 
-    def bind_kv_cache(self, tap: TargetAttentionTap, block_size: int) -> None:
+    def bind_kv_cache(
+        self,
+        tap: TargetAttentionTap,
+        block_size: int,
+        private_layouts: PrivateLayouts | None = None,
+    ) -> None:
         """Size the selection state once the KV cache layout is known."""
         self.tap = tap
         self.block_size = block_size
+        self.private_layouts = private_layouts if private_layouts and private_layouts.areas else None
+        self._free_areas = list(range(self.private_layouts.areas)) if self.private_layouts else []
         self.chunk_size = self.config.resolved_chunk_size(block_size)
         self._allocate_selection_state()
 
@@ -279,12 +313,51 @@ class RetrievalPlanner:
         )
         if step.retrieval_rows:
             self._record(batch, staged, query_lens, removed)
+        kept_context_lens = first_query_pos - removed[:num_reqs]
+        kept_block_table = None
+        if step.private_rows:
+            kept_block_table = compact
+            compact = self._swap_in_private_blocks(
+                batch, step, compact, kept_context_lens)
         return DraftView(
             block_table=compact,
             removed_tokens=removed,
-            kept_context_lens=first_query_pos - removed[:num_reqs],
+            kept_context_lens=kept_context_lens,
             rewrites=rewrites,
+            kept_block_table=kept_block_table,
         )
+
+    def _swap_in_private_blocks(
+        self,
+        batch: PlanningBatch,
+        step: _StepRows,
+        compact: torch.Tensor,
+        kept_context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Private layouts: the whole context blocks of each re-positioned
+        working cache are read from the request's own area (the rewrite
+        writes them there); the block holding the query start and later
+        ones, which only this request writes, stay in place."""
+        layouts = self.private_layouts
+        assert layouts is not None
+        states = [self._requests[batch.req_ids[r]] for r in step.private_rows]
+        rows = self._index_stager(step.private_rows)
+        slots = self._index_stager([s.slot for s in states])
+        first_blocks = self._index_stager(
+            [layouts.first_block + s.area * layouts.blocks_per_area for s in states])
+        laid_out = set(step.due_rows) | set(step.windowed_prefill_rows)
+        rewritten = self._index_stager([r in laid_out for r in step.private_rows])
+        context_blocks = (kept_context_lens[rows] // self.block_size).clamp(
+            max=layouts.blocks_per_area)
+        self._private_blocks[slots] = torch.where(
+            rewritten.bool(), context_blocks, self._private_blocks[slots])
+        width = min(layouts.blocks_per_area, compact.shape[1])
+        index = torch.arange(width, device=self.device)
+        private = index.view(1, -1) < self._private_blocks[slots].view(-1, 1)
+        swapped = compact.clone()
+        swapped[rows, :width] = torch.where(
+            private, (first_blocks.view(-1, 1) + index).to(compact.dtype), compact[rows, :width])
+        return swapped
 
     def _classify_rows(self, batch: PlanningBatch) -> _StepRows:
         """Host-side: which rows retrieve, which are due, which prefill
@@ -310,13 +383,18 @@ class RetrievalPlanner:
         for row, req_id in enumerate(batch.req_ids):
             if not eligible[row]:
                 if not is_decode[row]:
-                    self._forget(req_id)
-                    if self.compact_positions and beyond_window[row]:
+                    windowed = self.compact_positions and beyond_window[row]
+                    self._forget_unless_prefilling(req_id, windowed)
+                    if windowed:
                         step.windowed_prefill_rows.append(row)
                         if config.mode == "cmr" and ends_prompt[row]:
                             step.last_prompt_chunk_rows.append(row)
+                        self._add_private_row(step, row, req_id)
                 continue
             state = self._requests.get(req_id) or self._track(req_id)
+            state.decoded = True
+            if state.area >= 0:
+                step.private_rows.append(row)
             state.steps_since_retrieval += 1
             state.acceptance.observe(int(batch.context_lens_cpu[row]),
                                      int(batch.query_lens_cpu[row]), state.steps_since_retrieval)
@@ -553,6 +631,8 @@ class RetrievalPlanner:
         return {
             **self.stats.as_dict(),
             "tracked_requests": len(self._requests),
+            "private_layout_areas": self.private_layouts.areas if self.private_layouts else 0,
+            "layouts_in_place": self.layouts_in_place,
             "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
             "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
             "requests": {
@@ -565,6 +645,11 @@ class RetrievalPlanner:
 
     def _track(self, req_id: str) -> _RequestState:
         state = _RequestState(slot=self._free_slots.pop())
+        if self.private_layouts is not None:
+            if self._free_areas:
+                state.area = self._free_areas.pop()
+            else:
+                self.layouts_in_place += 1
         self._requests[req_id] = state
         return state
 
@@ -572,11 +657,29 @@ class RetrievalPlanner:
         state = self._requests.pop(req_id, None)
         if state is None:
             return
-        if finished:
+        if finished and state.decoded:
             self.stats.finish_request(state.slot)
         else:
             self.stats.clear_slot(state.slot)
         self._free_slots.append(state.slot)
+        if state.area >= 0:
+            self._free_areas.append(state.area)
+
+    def _forget_unless_prefilling(self, req_id: str, windowed: bool) -> None:
+        """A prompt chunk: the request starts over (a preempted request
+        recomputes), except that with private layouts a windowed prefill
+        keeps the state (and area) its earlier chunks made."""
+        state = self._requests.get(req_id)
+        if state is None or not windowed or self.private_layouts is None or state.decoded:
+            self._forget(req_id)
+
+    def _add_private_row(self, step: _StepRows, row: int, req_id: str) -> None:
+        """With private layouts, a windowed prefill is tracked for its area."""
+        if self.private_layouts is None:
+            return
+        state = self._requests.get(req_id) or self._track(req_id)
+        if state.area >= 0:
+            step.private_rows.append(row)
 
     def _forget_requests_not_in(self, req_ids: list[str]) -> None:
         """Free the state of finished, aborted or preempted requests."""

@@ -16,7 +16,7 @@ class IndexStager:
     (``VllmConfig.max_concurrent_batches``, at least 2).
     """
 
-    MAX_INDEX_LISTS_PER_STEP = 8
+    MAX_INDEX_LISTS_PER_STEP = 16
 
     def __init__(self, max_len: int, device: torch.device, depth: int = 2) -> None:
         if depth < 2:

@@ -61,18 +61,21 @@ class DraftKVCopy:
     def write_working_cache(
         self,
         layers: dict[str, torch.nn.Module],
-        slots: torch.Tensor,
+        sources: torch.Tensor,
+        targets: torch.Tensor,
         valid: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """Rewrite the draft's cache at ``slots`` with keys rotated to ``positions``.
+        """Write the KV recorded at slots ``sources`` into the draft's cache at
+        slots ``targets``, keys rotated to ``positions``.
 
         Args:
             layers: the draft's attention layers, by name.
-            slots, valid, positions: ``[num_tokens]``; invalid entries are skipped.
+            sources, targets, valid, positions: ``[num_tokens]``; invalid
+                entries are skipped.
         """
-        source = torch.where(valid, slots, self.padding_slot)
-        target = torch.where(valid, slots, -1)
+        source = torch.where(valid, sources, self.padding_slot)
+        target = torch.where(valid, targets, -1)
         cos, sin = rotation_angles(positions, self.rotary)
         for name, layer in layers.items():
             index = self.layer_index[name]

@@ -43,6 +43,11 @@ class RetrievalSetup:
     """Requests longer than the draft's window draft at compact positions."""
     steps_in_flight: int
     """Engine steps that may run at once (``max_concurrent_batches``)."""
+    private_layouts: bool = False
+    """Compact positions with prefix caching: requests re-position their
+    draft KV into blocks of their own (:func:`private_layout_blocks`), not
+    into cached blocks other requests share."""
+    max_num_seqs: int = 0
 
 
 def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
@@ -114,7 +119,37 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         num_speculative_tokens=spec.num_speculative_tokens,
         compact_positions=compact,
         steps_in_flight=vllm_config.max_concurrent_batches,
+        private_layouts=(compact and config.private_layouts
+                         and bool(vllm_config.cache_config.enable_prefix_caching)),
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
     )
+
+
+PRIVATE_LAYOUT_SHARE = 0.25
+"""Most of the KV cache's blocks that private layouts may take."""
+
+
+def private_layout_blocks(
+    setup: RetrievalSetup, num_blocks: int, block_size: int, max_model_len: int
+) -> tuple[int, int]:
+    """``(areas, blocks per area)`` kept out of the scheduler's block pool at
+    the end of the KV cache, for requests' private draft layouts.
+
+    With prefix caching, requests on one document share its cached blocks;
+    re-positioning their draft keys in place would leave each shared block
+    with the last request's layout. A request with an area writes its
+    working cache there instead (one draft window of blocks). Areas: one per
+    running request (``max_num_seqs``), within ``PRIVATE_LAYOUT_SHARE`` of
+    the blocks and leaving a whole ``max_model_len`` request room; a request
+    beyond them lays out in place (``layouts_in_place`` in the metrics).
+    The engine core (scheduler) and the workers compute the same figures.
+    """
+    if not setup.private_layouts:
+        return 0, 0
+    per_area = -(-setup.draft_window // block_size)
+    budget = min(int(num_blocks * PRIVATE_LAYOUT_SHARE),
+                 num_blocks - 1 - -(-max_model_len // block_size))
+    return max(0, min(setup.max_num_seqs, budget // per_area)), per_area
 
 
 def speculative_method(spec: Any) -> str | None:

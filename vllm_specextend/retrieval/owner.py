@@ -23,12 +23,17 @@ from __future__ import annotations
 import torch
 
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.planner import DraftView, PlanningBatch, RetrievalPlanner
+from vllm_specextend.core.planner import (
+    DraftView,
+    PlanningBatch,
+    PrivateLayouts,
+    RetrievalPlanner,
+)
 from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
-from vllm_specextend.retrieval.engine_options import RetrievalSetup
+from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
@@ -69,6 +74,7 @@ class DraftRetrieval:
     ) -> None:
         self.setup = setup
         self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
         self.dtype = dtype
         self.device = device
         self.planner = RetrievalPlanner(
@@ -154,7 +160,7 @@ class DraftRetrieval:
         tap = tap_target_layer(
             self.target_layer, num_slots, self.max_num_tokens, self.dtype, self.device
         )
-        self.planner.bind_kv_cache(tap, block_size)
+        self.planner.bind_kv_cache(tap, block_size, self._private_layouts(kv_cache_config))
         config = self.config
         logger.info(
             "SpecExtend: %d-token chunks, top %d chunks + %d sink + %d recent tokens",
@@ -166,6 +172,24 @@ class DraftRetrieval:
         if self.compact_positions:
             assert draft_model is not None
             self._install_draft_kv_copy(num_slots, draft_rotary_layout(draft_model))
+
+    def _private_layouts(self, kv_cache_config) -> PrivateLayouts | None:
+        """The areas the engine core kept out of the scheduler's blocks
+        (same formula, same inputs)."""
+        areas, per_area = private_layout_blocks(
+            self.setup, kv_cache_config.num_blocks, self.block_size, self.max_model_len)
+        if not areas:
+            if self.setup.private_layouts:
+                logger.warning(
+                    "SpecExtend: no room for private draft layouts; requests sharing "
+                    "cached blocks lay their draft keys out in place")
+            return None
+        first_block = kv_cache_config.num_blocks - areas * per_area
+        logger.info(
+            "SpecExtend: private draft layouts for %d requests (prefix caching): %d "
+            "blocks of %d tokens from block %d, kept out of the scheduler's pool",
+            areas, areas * per_area, self.block_size, first_block)
+        return PrivateLayouts(first_block, areas, per_area)
 
     def bytes_per_kv_token_outside_cache(self) -> int:
         """Memory per KV slot besides vLLM's cache: the tap's key copy and,
@@ -212,9 +236,11 @@ class DraftRetrieval:
         positions."""
         view = self.planner.plan(batch)
         if view is not None and self.kv_copy is not None:
+            kept_table = view.block_table if view.kept_block_table is None else (
+                view.kept_block_table)
             for rewrite in view.rewrites:
                 self._reposition_working_caches(
-                    rewrite.rows, view.block_table, view.kept_context_lens,
+                    rewrite.rows, kept_table, view.block_table, view.kept_context_lens,
                     rewrite.max_context_len,
                 )
         return view
@@ -222,20 +248,26 @@ class DraftRetrieval:
     def _reposition_working_caches(
         self,
         rows: torch.Tensor,
-        compact_table: torch.Tensor,
+        kept_table: torch.Tensor,
+        draft_table: torch.Tensor,
         context_lens: torch.Tensor,
         max_context_len: int,
     ) -> None:
-        """Rewrite the kept context keys of ``rows`` (at most ``max_context_len``
-        each) at their compact positions."""
+        """Write the kept context keys of ``rows`` (at most ``max_context_len``
+        each), read from the slots of ``kept_table``, at their compact
+        positions into the slots of ``draft_table`` (the same, or the
+        request's private blocks)."""
         assert self.kv_copy is not None
         length = min(max_context_len, self.draft_window)
-        slots, valid = working_cache_slots(
-            compact_table[rows], context_lens[rows], length, self.block_size
+        sources, valid = working_cache_slots(
+            kept_table[rows], context_lens[rows], length, self.block_size
+        )
+        targets, _ = working_cache_slots(
+            draft_table[rows], context_lens[rows], length, self.block_size
         )
         positions = torch.arange(length, device=self.device).repeat(rows.shape[0])
         self.kv_copy.write_working_cache(
-            self.draft_layers, slots.flatten(), valid.flatten(), positions
+            self.draft_layers, sources.flatten(), targets.flatten(), valid.flatten(), positions
         )
 
     def reconfigure(self, config: SpecExtendConfig) -> None:
