@@ -83,11 +83,9 @@ def test_each_request_reads_its_own_layout_of_shared_blocks(private):
 
     laid_out_right = []
     for row in range(2):
-        kept = int(view.kept_context_lens[row])
-        read, _ = working_cache_slots(view.block_table[row:row + 1], view.kept_context_lens[row:row + 1],
-                                      kept, BLOCK)
-        source, _ = working_cache_slots(kept_table[row:row + 1], view.kept_context_lens[row:row + 1],
-                                        kept, BLOCK)
+        kept, lens = int(view.kept_context_lens[row]), view.kept_context_lens[row:row + 1]
+        read, _ = working_cache_slots(view.block_table[row:row + 1], lens, kept, BLOCK)
+        source, _ = working_cache_slots(kept_table[row:row + 1], lens, kept, BLOCK)
         cos, sin = rotation_angles(torch.arange(kept), layout)
         expected = rotate_keys(copy.keys[0, source[0]], cos, sin, layout)
         laid_out_right.append(torch.allclose(layer.kv_cache[0, read[0]], expected, atol=1e-5))

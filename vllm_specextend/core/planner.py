@@ -244,7 +244,9 @@ class RetrievalPlanner:
         """Size the selection state once the KV cache layout is known."""
         self.tap = tap
         self.block_size = block_size
-        self.private_layouts = private_layouts if private_layouts and private_layouts.areas else None
+        if private_layouts is not None and not private_layouts.areas:
+            private_layouts = None
+        self.private_layouts = private_layouts
         self._free_areas = list(range(self.private_layouts.areas)) if self.private_layouts else []
         self.chunk_size = self.config.resolved_chunk_size(block_size)
         self._allocate_selection_state()
