@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--soak-minutes", type=float, default=30)
     parser.add_argument("--soak-tokens", type=int, default=32,
                         help="greedy tokens per soak request")
+    parser.add_argument("--soak-replay-minutes", type=float, default=15,
+                        help="time for replaying the soak's completed requests alone")
     parser.add_argument("--refresh", action="store_true",
                         help="run the retrieval-refresh benchmark (fixed interval against "
                              "acceptance drops) instead")

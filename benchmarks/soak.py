@@ -8,9 +8,10 @@ load for a fixed time, with the faults a server meets.
 (prefix-cache hits), streams the client drops mid-way, prompts longer than
 max_model_len, malformed JSON and invalid sampling parameters. Every 10 s it
 records the server's RSS (all its processes) and vLLM's KV cache usage.
-Then every completed greedy request is sent again alone, and its text must
-equal the text it got under load (float32 by default: in bfloat16 batched
-and solo numerics differ, with or without speculation).
+Then every completed greedy request is sent again alone (shortest first,
+for at most ``--soak-replay-minutes``), and its text must equal the text it
+got under load (float32 by default: in bfloat16 batched and solo numerics
+differ, with or without speculation).
 """
 
 from __future__ import annotations
@@ -193,15 +194,20 @@ class SoakClient:
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(worker, range(concurrency)))
 
-    def replay_alone(self, progress=None) -> dict[str, bool]:
-        """Each distinct completed greedy request once more, alone: does its
-        text equal every text it got under load?"""
+    def replay_alone(self, progress=None, seconds: float | None = None) -> dict[str, bool]:
+        """Each distinct completed greedy request once more, alone, shortest
+        prompt first, for at most ``seconds``: does its text equal every
+        text it got under load?"""
         texts: dict[str, set[str]] = {}
         for record in self.records:
             if record.kind in GREEDY_KINDS and record.status == 200:
                 texts.setdefault(record.prompt_key, set()).add(record.text)
+        deadline = None if seconds is None else time.monotonic() + seconds
         equal = {}
-        for key, seen in texts.items():
+        for key in sorted(texts, key=lambda k: len(self.load.prompts[k])):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            seen = texts[key]
             response = requests.post(f"{self.base}/v1/completions",
                                      json=self.body(self.load.prompts[key]), timeout=3600)
             response.raise_for_status()
@@ -283,9 +289,13 @@ def run_soak(args) -> dict[str, Any]:
         samples.append(sample_server(base, pid, t0))
         completed = {r.prompt_key for r in client.records
                      if r.kind in GREEDY_KINDS and r.status == 200}
+        replay_s = None if args.soak_replay_minutes is None else args.soak_replay_minutes * 60
         with tqdm(total=len(completed), desc="replay alone", unit="request") as progress:
-            equal_alone = client.replay_alone(progress)
+            equal_alone = client.replay_alone(progress, replay_s)
         alive = requests.get(f"{base}/health", timeout=30).status_code == 200
+        final_metrics = {name: value for name, value in metric_values(base).items()
+                         if name.startswith(("vllm:spec_extend_", "vllm:spec_decode_",
+                                             "vllm:num_preemptions"))}
         log.seek(0)
         server_errors = [line for line in log.read().splitlines()
                          if "Traceback" in line or "EngineDeadError" in line]
@@ -297,8 +307,10 @@ def run_soak(args) -> dict[str, Any]:
         "samples": [asdict(s) for s in samples],
         "equal_alone": equal_alone,
         "server_alive": alive,
+        "final_metrics": final_metrics,
         "server_log_errors": server_errors[:20],
-        "summary": soak_summary(client.records, samples, equal_alone),
+        "summary": {**soak_summary(client.records, samples, equal_alone),
+                    "distinct_completed": len(completed)},
     }
 
 
@@ -361,6 +373,7 @@ def write_soak(result: dict[str, Any], out_dir: Path, title: str) -> str:
     plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = result["summary"]
+    metrics = result["final_metrics"]
     (out_dir / "soak.json").write_text(json.dumps(result, indent=2))
     report = "\n".join([
         soak_table(summary), "",
@@ -370,10 +383,15 @@ def write_soak(result: dict[str, Any], out_dir: Path, title: str) -> str:
         f"{summary['rss_gib_end']:.2f} GiB, highest after warm-up "
         f"{summary['rss_gib_max_after_warm_up']:.2f} GiB",
         f"- KV cache usage at most {100 * (summary['kv_cache_usage_max'] or 0):.0f}%",
-        f"- replayed alone: {summary['replays_equal']} of {summary['replayed']} distinct "
-        "completed greedy requests gave the same text",
+        f"- replayed alone (shortest first, within the replay time): "
+        f"{summary['replays_equal']} of {summary['replayed']} gave the same text "
+        f"({summary['distinct_completed']} distinct greedy prompts completed)",
         f"- server alive at the end: {result['server_alive']}; tracebacks in its log: "
         f"{len(result['server_log_errors'])}",
+        f"- preemptions: {metrics.get('vllm:num_preemptions_total', 0):.0f}; retrievals: "
+        f"{metrics.get('vllm:spec_extend_retrievals_total', 0):.0f}; private layout areas: "
+        f"{metrics.get('vllm:spec_extend_private_layout_areas', 0):.0f}, requests laid out in "
+        f"place: {metrics.get('vllm:spec_extend_layouts_in_place_total', 0):.0f}",
     ])
     (out_dir / "soak.md").write_text(f"# Served soak: {title}\n\n{report}\n")
     samples = result["samples"]

@@ -23,8 +23,8 @@ def soak(tmp_path_factory):
         target=str(target), draft=str(draft), method="draft_model", k=3, dtype="float32",
         spec_extend='{"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256}',
         draft_window=512, kv_cache_gib=1, block_size=32, eager=True, concurrency=8,
-        lengths=[1500, 3000], soak_minutes=0.75, soak_tokens=16, corpus=[CORPUS_DIR],
-        out=out)
+        lengths=[1500, 3000], soak_minutes=0.75, soak_tokens=16, soak_replay_minutes=None,
+        corpus=[CORPUS_DIR], out=out)
     result = run_soak(args)
     write_soak(result, out, "tiny models")
     return result, out
@@ -39,11 +39,13 @@ def test_only_the_bad_requests_fail_each_with_a_4xx(soak):
     assert all(summary["kinds"][kind]["refused_4xx"] > 0 for kind in BAD_KINDS)
     assert summary["kinds"]["disconnect"]["dropped_by_client"] > 0
     assert result["server_alive"] and result["server_log_errors"] == []
+    assert result["final_metrics"]["vllm:spec_extend_retrievals_total"] > 0
+    assert result["final_metrics"]["vllm:spec_extend_private_layout_areas"] == 8
 
 
 def test_every_completed_request_equals_its_run_alone(soak):
     summary = soak[0]["summary"]
-    assert summary["replayed"] >= 5
+    assert summary["replayed"] == summary["distinct_completed"] >= 5
     assert summary["replays_equal"] == summary["replayed"]
 
 
