@@ -6,6 +6,7 @@
     python -m benchmarks --sweep | --needle              # sweep.py, needle.py
     python -m benchmarks --refresh                       # refresh.py
     python -m benchmarks --soak                          # soak.py (served, 30 min)
+    python -m benchmarks --document-qa                   # document_qa.py
     python -m benchmarks --k-trace                       # k_trace.py
     python -m benchmarks --eagle3                        # eagle3_long.py (EAGLE-3 head)
 """
@@ -90,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run the needle-retrieval benchmark instead")
     parser.add_argument("--needle-length", type=int, default=4096)
     parser.add_argument("--needle-tokens", type=int, default=12)
+    parser.add_argument("--document-qa", action="store_true",
+                        help="questions on one cached document (the first --lengths, "
+                             "--concurrency questions): cmr at compact positions alone, "
+                             "batched with private layouts, in place and without prefix "
+                             "caching (benchmarks/document_qa.py; default --draft-window "
+                             "2048)")
     parser.add_argument("--soak", action="store_true",
                         help="served soak: vllm serve with cmr and compact positions under "
                              "a mixed load with faults, then every completed request "
@@ -129,8 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.configs = args.configs or ["target", "draft_model", "cmr", "streaming"]
     args.lengths = args.lengths or (
         [4096, 8192] if args.sweep else [1024, 4096, 8192, 16384] if args.eagle3
-        else [4096, 8192, 16384] if args.soak else [1024, 4096, 8192])
-    if args.soak:
+        else [4096, 8192, 16384] if args.soak else [8192] if args.document_qa
+        else [1024, 4096, 8192])
+    if args.soak or args.document_qa:
         args.draft_window = args.draft_window or 2048
     return args
 
@@ -172,12 +180,15 @@ def main(argv=None) -> None:
     use_all_cores()
     name = args.name or ("sweep" if args.sweep else "eagle3" if args.eagle3
                          else "needle" if args.needle else "soak" if args.soak
+                         else "document-qa" if args.document_qa
                          else "refresh" if args.refresh else "k-trace" if args.k_trace
                          else "batch" if args.batch_sizes else "serve" if args.serve
                          else "main")
     out_dir = args.out or RESULTS_DIR / name
     if args.refresh:
         args.max_tokens = args.refresh_tokens  # the longest answer, in the title
+    if args.soak:
+        args.max_tokens = args.soak_tokens
     machine = machine_info()
     window = f" (window {args.draft_window})" if args.draft_window else ""
     drafter = "draft" if args.method == "draft_model" else f"{args.method} head"
@@ -219,6 +230,12 @@ def main(argv=None) -> None:
 
         print(write_refresh(run_refresh(args), out_dir, title))
         print(f"\nresults: {out_dir}/refresh.{{json,md,png}}")
+        return
+    if args.document_qa:
+        from benchmarks.document_qa import run_document_qa, write_document_qa
+
+        print(write_document_qa(run_document_qa(args), out_dir, title))
+        print(f"\nresults: {out_dir}/document_qa.{{json,md,png}}")
         return
     if args.soak:
         from benchmarks.soak import run_soak, write_soak

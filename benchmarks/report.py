@@ -28,7 +28,8 @@ CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "draft_model": "t
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
                  "goodput": "tab:cyan", "cmr_every_16": "tab:pink",
                  "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
-                 "eagle3_sliding": "darkkhaki"}
+                 "eagle3_sliding": "darkkhaki", "alone": "dimgray", "private": "firebrick",
+                 "in_place": "sandybrown", "unshared": "steelblue"}
 
 
 def config_color(config: str) -> str:

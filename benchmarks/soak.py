@@ -134,7 +134,15 @@ class SoakClient:
         self.load = load
         self.max_tokens = max_tokens
         self.records: list[SoakRequest] = []
+        self.server_died_s: float | None = None
+        """When a failed request found the server gone (the load stops)."""
         self._lock = threading.Lock()
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.base}/health", timeout=30).status_code == 200
+        except requests.RequestException:
+            return False
 
     def body(self, prompt: list[int], **extra) -> dict[str, Any]:
         return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.max_tokens,
@@ -186,8 +194,12 @@ class SoakClient:
 
         def worker(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
-            while time.monotonic() < deadline:
-                self.send(rng.choices(kinds, weights)[0], rng, t0)
+            while time.monotonic() < deadline and self.server_died_s is None:
+                record = self.send(rng.choices(kinds, weights)[0], rng, t0)
+                failed = record.status is None and record.error is not None or (
+                    record.status is not None and record.status >= 500)
+                if failed and not self.healthy():
+                    self.server_died_s = self.server_died_s or record.end_s
                 if progress is not None:
                     progress.update(1)
 
@@ -286,16 +298,19 @@ def run_soak(args) -> dict[str, Any]:
             client.run(args.soak_minutes * 60, args.concurrency, seed=0, progress=progress)
         stop.set()
         sampler.join()
-        samples.append(sample_server(base, pid, t0))
         completed = {r.prompt_key for r in client.records
                      if r.kind in GREEDY_KINDS and r.status == 200}
-        replay_s = None if args.soak_replay_minutes is None else args.soak_replay_minutes * 60
-        with tqdm(total=len(completed), desc="replay alone", unit="request") as progress:
-            equal_alone = client.replay_alone(progress, replay_s)
-        alive = requests.get(f"{base}/health", timeout=30).status_code == 200
-        final_metrics = {name: value for name, value in metric_values(base).items()
-                         if name.startswith(("vllm:spec_extend_", "vllm:spec_decode_",
-                                             "vllm:num_preemptions"))}
+        alive = client.healthy()
+        equal_alone, final_metrics = {}, {}
+        if alive:
+            samples.append(sample_server(base, pid, t0))
+            replay_s = (None if args.soak_replay_minutes is None
+                        else args.soak_replay_minutes * 60)
+            with tqdm(total=len(completed), desc="replay alone", unit="request") as progress:
+                equal_alone = client.replay_alone(progress, replay_s)
+            final_metrics = {name: value for name, value in metric_values(base).items()
+                             if name.startswith(("vllm:spec_extend_", "vllm:spec_decode_",
+                                                 "vllm:num_preemptions"))}
         log.seek(0)
         server_errors = [line for line in log.read().splitlines()
                          if "Traceback" in line or "EngineDeadError" in line]
@@ -307,6 +322,7 @@ def run_soak(args) -> dict[str, Any]:
         "samples": [asdict(s) for s in samples],
         "equal_alone": equal_alone,
         "server_alive": alive,
+        "server_died_s": client.server_died_s,
         "final_metrics": final_metrics,
         "server_log_errors": server_errors[:20],
         "summary": {**soak_summary(client.records, samples, equal_alone),
@@ -332,13 +348,18 @@ def soak_summary(records: list[SoakRequest], samples: list[SoakSample],
     kinds = {}
     for kind in SOAK_MIX:
         mine = [r for r in records if r.kind == kind]
+        # A dropped stream ends after 1-3 chunks, or at the client's read
+        # timeout when no chunk came in time (queued behind long prefills).
+        dropped = [r.status is None and (r.error is None or kind == "disconnect")
+                   for r in mine]
         kinds[kind] = {
             "sent": len(mine),
             "completed": sum(r.status == 200 for r in mine),
             "refused_4xx": sum(r.status is not None and 400 <= r.status < 500 for r in mine),
-            "dropped_by_client": sum(r.status is None and r.error is None for r in mine),
+            "dropped_by_client": sum(dropped),
             "failed": sum((r.status is not None and r.status >= 500)
-                          or (r.status is None and r.error is not None) for r in mine),
+                          or (r.status is None and r.error is not None and not d)
+                          for r, d in zip(mine, dropped)),
         }
     # Warm-up: the first quarter of the samples (every prompt kind has run).
     warm = samples[len(samples) // 4:] if len(samples) >= 4 else samples

@@ -2,7 +2,7 @@
 job's batched grid (``python -m benchmarks --batch-sizes ...``) and its
 step-cost model (``python -m benchmarks.cost_model``), as
 ``scripts/run_benchmark.sh`` runs them, the option sweep, the refresh and K-trace
-modes, and the EAGLE-3 long-input mode (``--eagle3``)."""
+modes, the EAGLE-3 long-input mode (``--eagle3``) and document QA."""
 
 from __future__ import annotations
 
@@ -253,3 +253,25 @@ def test_benchmarks_give_vllm_every_core_unless_the_user_binds(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     use_all_cores()
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
+def test_document_qa_compares_private_layouts_with_questions_alone(tmp_path):
+    from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy, build_short_window_copy
+
+    target = build_damped_attention_copy(TARGET_LLAMA, 0.05)
+    draft = build_short_window_copy(target, 512)
+    run_module("benchmarks", "--document-qa", "--target", str(target), "--draft", str(draft),
+               "--draft-window", "512", "--lengths", "2500", "--concurrency", "3",
+               "--max-tokens", "16", "--dtype", "float32", "--kv-cache-gib", "1", "--spec-extend",
+               '{"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256}',
+               "--block-size", "32", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "document_qa.json").read_text())
+    runs = result["runs"]
+    assert set(runs) == {"alone", "private", "in_place", "unshared"}
+    assert result["document_tokens"] == 2500 and len(set(result["question_tokens"])) == 3
+    # float32: every configuration gives each question the tokens it gets alone.
+    for config, rows in runs.items():
+        assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in runs["alone"]], config
+        assert all(r["drafted"] > 0 for r in rows)
+    assert "| 1 (" in (tmp_path / "document_qa.md").read_text()
+    assert (tmp_path / "document_qa.png").read_bytes().startswith(PNG_MAGIC)
