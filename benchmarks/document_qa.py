@@ -13,6 +13,9 @@ in each request. Configurations:
 - ``private``: the same engine, all questions at once (private layouts);
 - ``in_place``: a prefix-caching engine with ``private_layouts`` off;
 - ``unshared``: all questions at once without prefix caching (nothing shared).
+
+The target alone (prefix caching, all questions at once) gives the tokens
+every configuration must repeat.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def document_questions(tokenizer, text: str, length: int, count: int,
     return document, [document + q for q in questions]
 
 
-def run_document_qa(args) -> dict[str, Any]:
+def run_document_qa(args, engines: tuple[str, ...] = ("private", "in_place", "unshared",
+                                                     "target")) -> dict[str, Any]:
+    """``engines``: ``private`` also runs ``alone`` (the same engine, one
+    question at a time); ``target`` is the target alone."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -67,15 +73,18 @@ def run_document_qa(args) -> dict[str, Any]:
         return [request_row(o.outputs[0]) for o in outputs]
 
     runs: dict[str, list[dict[str, Any]]] = {}
-    engines = [("private", True, True), ("in_place", True, False), ("unshared", False, True)]
     with tqdm(total=len(engines), desc="document QA", unit="engine") as progress:
-        for name, prefix_caching, private_layouts in engines:
+        for name in engines:
             progress.set_postfix_str(name)
-            llm = LLM(**engine_kwargs(args, "cmr", {**base, "private_layouts": private_layouts})
+            prefix_caching = name != "unshared"
+            spec_extend = None if name == "target" else {
+                **base, "private_layouts": name != "in_place"}
+            llm = LLM(**engine_kwargs(args, name if name == "target" else "cmr", spec_extend)
                       | {"max_model_len": len(max(prompts, key=len)) + args.max_tokens + 64,
                          "max_num_seqs": len(prompts),
-                         "enable_prefix_caching": prefix_caching,
-                         "per_request_spec_decode_metrics": "detailed"})
+                         "enable_prefix_caching": prefix_caching}
+                      | ({} if name == "target"
+                         else {"per_request_spec_decode_metrics": "detailed"}))
             try:
                 if prefix_caching:
                     generate(llm, [document])  # caches the document
@@ -94,6 +103,8 @@ def run_document_qa(args) -> dict[str, Any]:
 
 def request_row(output) -> dict[str, Any]:
     metrics = output.spec_decode_metrics
+    if metrics is None:  # the target alone
+        return {"token_ids": list(output.token_ids)}
     accepted = sum(j * count for j, count in enumerate(metrics.histogram))
     return {"token_ids": list(output.token_ids), "drafted": metrics.num_draft_tokens,
             "accepted": accepted,
@@ -104,7 +115,9 @@ def request_row(output) -> dict[str, Any]:
 def document_qa_table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     alone = runs["alone"]
-    lines = ["| question (tokens) | " + " | ".join(CONFIGS) + " | same tokens as alone |",
+    reference = runs.get("target", alone)
+    lines = ["| question (tokens) | " + " | ".join(CONFIGS)
+             + f" | same tokens as {'the target alone' if 'target' in runs else 'alone'} |",
              "|---|" + "---:|" * (len(CONFIGS) + 1)]
     for i, tokens in enumerate(result["question_tokens"]):
         cells = []
@@ -114,7 +127,7 @@ def document_qa_table(result: dict[str, Any]) -> str:
                      if row["acceptance"] is not None and alone[i]["acceptance"] else None)
             cells.append(f"{100 * (row['acceptance'] or 0):.1f}%"
                          + ("" if config == "alone" or ratio is None else f" ({ratio:.2f}x)"))
-        same = all(runs[c][i]["token_ids"] == alone[i]["token_ids"] for c in CONFIGS)
+        same = all(runs[c][i]["token_ids"] == reference[i]["token_ids"] for c in CONFIGS)
         lines.append(f"| {i + 1} ({tokens}) | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
@@ -127,7 +140,7 @@ def write_document_qa(result: dict[str, Any], out_dir: Path, title: str) -> str:
     (out_dir / "document_qa.md").write_text(
         f"# Document QA, {result['document_tokens']}-token document: draft acceptance per "
         f"question\n\n{title}\n\n{table}\n")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     questions = range(len(result["question_tokens"]))
     width = 0.8 / len(CONFIGS)
     for j, config in enumerate(CONFIGS):

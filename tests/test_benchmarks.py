@@ -267,11 +267,13 @@ def test_document_qa_compares_private_layouts_with_questions_alone(tmp_path):
                "--block-size", "32", "--out", str(tmp_path))
     result = json.loads((tmp_path / "document_qa.json").read_text())
     runs = result["runs"]
-    assert set(runs) == {"alone", "private", "in_place", "unshared"}
+    assert set(runs) == {"alone", "private", "in_place", "unshared", "target"}
     assert result["document_tokens"] == 2500 and len(set(result["question_tokens"])) == 3
-    # float32: every configuration gives each question the tokens it gets alone.
+    # float32: every configuration gives each question the target alone's tokens.
+    target_tokens = [r["token_ids"] for r in runs.pop("target")]
+    assert all(len(tokens) == 16 for tokens in target_tokens)
     for config, rows in runs.items():
-        assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in runs["alone"]], config
+        assert [r["token_ids"] for r in rows] == target_tokens, config
         assert all(r["drafted"] > 0 for r in rows)
     assert "| 1 (" in (tmp_path / "document_qa.md").read_text()
     assert (tmp_path / "document_qa.png").read_bytes().startswith(PNG_MAGIC)
