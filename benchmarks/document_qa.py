@@ -4,9 +4,11 @@ place), against each question asked alone.
 
     python -m benchmarks --document-qa [--lengths 8192] [--concurrency 4]
 
-The document is ``--lengths[0]`` tokens of the corpus; the questions differ
-in length, so the shared document blocks sit at a different compact position
-in each request. Configurations:
+The document is ``--lengths[0]`` tokens of the corpus, followed by
+questions of different lengths; where their layouts differ on a shared
+document block (lengths more than a KV block apart, or different retrieved
+chunks), laying out in place lets one request draft over another's keys.
+Configurations:
 
 - ``alone``: prefix caching, the document cached by a first request, then
   each question alone (nothing else running);
