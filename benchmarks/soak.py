@@ -63,6 +63,12 @@ class SoakRequest:
     start_s: float = 0.0
     end_s: float = 0.0
 
+    @property
+    def failed(self) -> bool:
+        """A 5xx, or the connection failed (a dropped stream may end so too)."""
+        return (self.status is not None and self.status >= 500) or (
+            self.status is None and self.error is not None)
+
 
 @dataclass
 class SoakSample:
@@ -196,9 +202,7 @@ class SoakClient:
             rng = random.Random(seed * 1000 + index)
             while time.monotonic() < deadline and self.server_died_s is None:
                 record = self.send(rng.choices(kinds, weights)[0], rng, t0)
-                failed = record.status is None and record.error is not None or (
-                    record.status is not None and record.status >= 500)
-                if failed and not self.healthy():
+                if record.failed and not self.healthy():
                     self.server_died_s = self.server_died_s or record.end_s
                 if progress is not None:
                     progress.update(1)
@@ -357,9 +361,7 @@ def soak_summary(records: list[SoakRequest], samples: list[SoakSample],
             "completed": sum(r.status == 200 for r in mine),
             "refused_4xx": sum(r.status is not None and 400 <= r.status < 500 for r in mine),
             "dropped_by_client": sum(dropped),
-            "failed": sum((r.status is not None and r.status >= 500)
-                          or (r.status is None and r.error is not None and not d)
-                          for r, d in zip(mine, dropped)),
+            "failed": sum(r.failed and not d for r, d in zip(mine, dropped)),
         }
     # Warm-up: the first quarter of the samples (every prompt kind has run).
     warm = samples[len(samples) // 4:] if len(samples) >= 4 else samples
