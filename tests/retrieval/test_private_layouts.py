@@ -97,5 +97,8 @@ def test_each_request_reads_its_own_layout_of_shared_blocks(private):
         # block holding each query start, the request's own, is in place).
         assert not layer.kv_cache[0, :DOCUMENT_BLOCKS * BLOCK].any()
     else:
-        # One request's layout of the shared blocks wins; the other drafts over it.
-        assert sorted(laid_out_right) == [False, True]
+        # Both write their layout into the same shared slots: at most one
+        # reads its own (which write lands per slot is not defined when the
+        # rows are re-positioned in one scatter), so some request drafts over
+        # keys at another request's positions.
+        assert laid_out_right != [True, True]
