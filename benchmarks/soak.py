@@ -200,8 +200,12 @@ class SoakClient:
 
         def worker(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
+            # Every kind is sent once first (the workers share them out),
+            # then the mix picks at random.
+            first = list(kinds[index::concurrency])
             while time.monotonic() < deadline and self.server_died_s is None:
-                record = self.send(rng.choices(kinds, weights)[0], rng, t0)
+                kind = first.pop(0) if first else rng.choices(kinds, weights)[0]
+                record = self.send(kind, rng, t0)
                 if record.failed and not self.healthy():
                     self.server_died_s = self.server_died_s or record.end_s
                 if progress is not None:

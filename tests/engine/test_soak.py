@@ -1,4 +1,4 @@
-"""The served soak (`python -m benchmarks --soak`) for a minute on tiny models:
+"""The served soak (`python -m benchmarks --soak`) for 30 s on tiny models:
 `vllm serve` with cmr and compact positions (a 512-position draft, prompts up
 to 3,000 tokens) under a mixed load with dropped streams, prompts over
 max_model_len, malformed JSON and invalid sampling parameters."""
@@ -23,7 +23,7 @@ def soak(tmp_path_factory):
         target=str(target), draft=str(draft), method="draft_model", k=3, dtype="float32",
         spec_extend='{"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256}',
         draft_window=512, kv_cache_gib=1, block_size=32, eager=True, concurrency=8,
-        lengths=[1500, 3000], soak_minutes=0.75, soak_tokens=16, soak_replay_minutes=None,
+        lengths=[1500, 3000], soak_minutes=0.5, soak_tokens=16, soak_replay_minutes=None,
         corpus=[CORPUS_DIR], out=out)
     result = run_soak(args)
     write_soak(result, out, "tiny models")
