@@ -24,7 +24,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
-from benchmarks.runs import engine_kwargs
+from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import (
     control_counts,
     install_timers,
@@ -114,16 +114,15 @@ def engine_runs(args, engine_config: str, configs: list[str],
     """All runs of one engine (``spec_extend``: its options; the ``cmr``
     engine switches its drafter between ``SWITCHED_CONFIGS``); returns
     measurements and output token ids."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     kwargs = engine_kwargs(args, engine_config, spec_extend) | {
         "enable_prefix_caching": True,
         "max_num_seqs": max(args.batch_sizes),
     }
-    llm = LLM(**kwargs)
-    measurements, token_ids = [], {}
-    try:
+    with started_engine(**kwargs) as llm:
+        measurements, token_ids = [], {}
         llm.collective_rpc(install_timers)
         prefill = SamplingParams(temperature=0.0, max_tokens=1)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -157,9 +156,6 @@ def engine_runs(args, engine_config: str, configs: list[str],
                     progress.update(1)
                     progress.set_postfix_str(
                         f"{config} b={batch_size} {length}: {m.output_tok_s:.2f} tok/s")
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
     return measurements, token_ids
 
 

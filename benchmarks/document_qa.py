@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.report import args_record, config_color, pyplot, save_figure
-from benchmarks.runs import engine_kwargs
+from benchmarks.runs import engine_kwargs, started_engine
 
 QUESTIONS = (
     " Question: who speaks last?",
@@ -61,7 +61,7 @@ def run_document_qa(args, engines: tuple[str, ...] = ("private", "in_place", "un
     question at a time); ``target`` is the target alone."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     document, prompts = document_questions(
@@ -81,21 +81,17 @@ def run_document_qa(args, engines: tuple[str, ...] = ("private", "in_place", "un
             prefix_caching = name != "unshared"
             spec_extend = None if name == "target" else {
                 **base, "private_layouts": name != "in_place"}
-            llm = LLM(**engine_kwargs(args, name if name == "target" else "cmr", spec_extend)
-                      | {"max_model_len": len(max(prompts, key=len)) + args.max_tokens + 64,
-                         "max_num_seqs": len(prompts),
-                         "enable_prefix_caching": prefix_caching}
-                      | ({} if name == "target"
-                         else {"per_request_spec_decode_metrics": "detailed"}))
-            try:
+            kwargs = engine_kwargs(args, name if name == "target" else "cmr", spec_extend) | {
+                "max_model_len": len(max(prompts, key=len)) + args.max_tokens + 64,
+                "max_num_seqs": len(prompts), "enable_prefix_caching": prefix_caching}
+            if name != "target":
+                kwargs["per_request_spec_decode_metrics"] = "detailed"
+            with started_engine(**kwargs) as llm:
                 if prefix_caching:
                     generate(llm, [document])  # caches the document
                 if name == "private":
                     runs["alone"] = [generate(llm, [p])[0] for p in prompts]
                 runs[name] = generate(llm, prompts)
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-                del llm
             progress.update(1)
     return {"machine": machine_info(), "args": args_record(args),
             "document_tokens": len(document),

@@ -19,7 +19,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import pyplot, save_figure
-from benchmarks.runs import engine_kwargs
+from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import read_control_trace, start_control_trace
 
 PASSES = ("cold", "warm")
@@ -27,26 +27,23 @@ PASSES = ("cold", "warm")
 
 def run_k_trace(args) -> dict[str, Any]:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     text = load_corpus(args.corpus)
     prompts = [summarization_prompt(tokenizer, text, length, args.offset + i * PASSAGE_STRIDE)
                for i, length in enumerate(args.lengths)]
     base = json.loads(args.spec_extend) if args.spec_extend else {}
-    llm = LLM(**engine_kwargs(args, "goodput", {**base, "speculation_control": "goodput"})
-              | {"max_num_seqs": len(prompts)})
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    passes = {}
-    try:
+    with started_engine(**engine_kwargs(args, "goodput", {**base, "speculation_control": "goodput"})
+                        | {"max_num_seqs": len(prompts)}) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        passes = {}
         for name in PASSES:
             llm.collective_rpc(start_control_trace)
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
             # vLLM numbers requests in submission order: map ids to lengths.
             lengths = {o.request_id: len(o.prompt_token_ids) for o in outputs}
             passes[name] = _per_request(llm.collective_rpc(read_control_trace)[0], lengths)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     return {"machine": machine_info(), "k": args.k, "passes": passes}
 
 

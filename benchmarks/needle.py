@@ -18,7 +18,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import needle_prompt
 from benchmarks.report import config_color, pyplot, save_figure
-from benchmarks.runs import engine_kwargs
+from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import spec_counters
 
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -31,7 +31,7 @@ def run_needle(args) -> dict[str, Any]:
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     text = load_corpus(args.corpus)[args.offset:]
@@ -49,9 +49,9 @@ def run_needle(args) -> dict[str, Any]:
     rows = []
     with tqdm(total=len(configs) * len(cases), desc="needle", unit="run") as progress:
         for name, spec_extend in configs.items():
-            llm = LLM(**engine_kwargs(args, name, spec_extend)
-                      | {"max_model_len": args.needle_length + args.needle_tokens + 64})
-            try:
+            max_model_len = args.needle_length + args.needle_tokens + 64
+            with started_engine(**engine_kwargs(args, name, spec_extend)
+                                | {"max_model_len": max_model_len}) as llm:
                 for (depth, key), ids in zip(cases, prompts):
                     before = spec_counters(llm)
                     output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
@@ -67,9 +67,6 @@ def run_needle(args) -> dict[str, Any]:
                                  "drafted": drafted, "accepted": accepted,
                                  "draft_acceptance": accepted / drafted if drafted else None})
                     progress.update(1)
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-                del llm
     return {"machine": machine_info(), "context_tokens": args.needle_length, "rows": rows}
 
 

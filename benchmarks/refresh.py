@@ -20,7 +20,7 @@ from benchmarks.machine import machine_info
 from benchmarks.needle import NEEDLE_DEPTHS
 from benchmarks.prompts import secret_sentence, secret_sentence_prompt, two_passages_prompt
 from benchmarks.report import config_color, pyplot, save_figure
-from benchmarks.runs import engine_kwargs
+from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import reconfigure_drafter, retrieval_refreshes, spec_counters
 
 REFRESH_CONFIGS = {
@@ -53,16 +53,15 @@ def refresh_cases(args, tokenizer) -> list[dict[str, Any]]:
 def run_refresh(args) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     cases = refresh_cases(args, tokenizer)
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     longest = max(len(c["ids"]) + c["max_tokens"] for c in cases)
-    llm = LLM(**engine_kwargs(args, "cmr", {**base, **REFRESH_CONFIGS["cmr"]})
-              | {"max_model_len": longest + 64, "enable_prefix_caching": True})
-    rows = []
-    try:
+    with started_engine(**engine_kwargs(args, "cmr", {**base, **REFRESH_CONFIGS["cmr"]})
+                        | {"max_model_len": longest + 64, "enable_prefix_caching": True}) as llm:
+        rows = []
         with tqdm(total=len(REFRESH_CONFIGS) * len(cases), desc="refresh", unit="run") as bar:
             for name, options in REFRESH_CONFIGS.items():
                 llm.collective_rpc(reconfigure_drafter, args=({**base, **options},))
@@ -75,8 +74,6 @@ def run_refresh(args) -> dict[str, Any]:
                                      (spec_counters(llm),
                                       llm.collective_rpc(retrieval_refreshes)[0])))
                     bar.update(1)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     return {"machine": machine_info(), "context_tokens": args.refresh_length,
             "configs": REFRESH_CONFIGS, "rows": rows}
 

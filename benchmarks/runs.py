@@ -14,10 +14,11 @@ the output with the target alone. Results: JSON, a markdown table, a PNG plot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
@@ -69,6 +70,19 @@ def engine_max_model_len(args) -> int:
     return max(args.lengths) + args.max_tokens + 64
 
 
+@contextlib.contextmanager
+def started_engine(**kwargs) -> Iterator[Any]:
+    """A vLLM ``LLM`` for the block; its engine core (processes, memory) shuts
+    down when the block ends, so the next configuration's engine fits."""
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=args.target,
@@ -107,10 +121,9 @@ def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]
 
 def measure_config(args, config: str, spec_extend: dict | None,
                    prompts: dict[int, list[int]], progress) -> list[Measurement]:
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
-    llm = LLM(**engine_kwargs(args, config, spec_extend))
-    try:
+    with started_engine(**engine_kwargs(args, config, spec_extend)) as llm:
         llm.collective_rpc(install_timers)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         # Warm-up: first-call costs (allocations, lazy init) stay out of timings.
@@ -124,13 +137,10 @@ def measure_config(args, config: str, spec_extend: dict | None,
             after_counts = spec_counters(llm)
             after_timers = llm.collective_rpc(read_timers)[0]
             results.append(measurement_from(config, length, output, before_counts, after_counts,
-                                        before_timers, after_timers))
+                                            before_timers, after_timers))
             progress.update(1)
             progress.set_postfix_str(f"{config} {length}: {results[-1].decode_tok_s:.2f} tok/s")
         return results
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
 
 
 def measurement_from(config, length, output, c0, c1, t0, t1) -> Measurement:

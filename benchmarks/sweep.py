@@ -14,7 +14,13 @@ from typing import Any
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.runs import Measurement, engine_kwargs, markdown_table, measurement_from
+from benchmarks.runs import (
+    Measurement,
+    engine_kwargs,
+    markdown_table,
+    measurement_from,
+    started_engine,
+)
 from benchmarks.worker_hooks import (
     install_timers,
     read_timers,
@@ -46,7 +52,7 @@ def run_sweep(args) -> dict[str, Any]:
     every option point re-decodes it, so a point costs only its decode."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     text = load_corpus(args.corpus)
@@ -54,10 +60,9 @@ def run_sweep(args) -> dict[str, Any]:
                for n in args.lengths}
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     points = json.loads(args.sweep_points) if args.sweep_points else SWEEP_POINTS
-    llm = LLM(**engine_kwargs(args, "cmr", {**base, "mode": "cmr"})
-              | {"enable_prefix_caching": True})
-    measurements: list[Measurement] = []
-    try:
+    with started_engine(**engine_kwargs(args, "cmr", {**base, "mode": "cmr"})
+                        | {"enable_prefix_caching": True}) as llm:
+        measurements: list[Measurement] = []
         llm.collective_rpc(install_timers)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         for ids in prompts.values():  # prefill once; later runs hit the cache
@@ -76,9 +81,6 @@ def run_sweep(args) -> dict[str, Any]:
                     c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
                     measurements.append(measurement_from(label, length, output, c0, c1, t0, t1))
                     bar.update(1)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
     return {
         "machine": machine_info(),
         "base_options": base,
