@@ -3,15 +3,15 @@ load for a fixed time, with the faults a server meets.
 
     python -m benchmarks --soak [--soak-minutes 30] [--concurrency 8]
 
-``--concurrency`` clients send, until the time is up, a seeded mix of long
-(``--lengths``) and short prompts, questions on a few repeated documents
-(prefix-cache hits), streams the client drops mid-way, prompts longer than
-max_model_len, malformed JSON and invalid sampling parameters. Every 10 s it
-records the server's RSS (all its processes) and vLLM's KV cache usage.
-Then every completed greedy request is sent again alone (shortest first,
-for at most ``--soak-replay-minutes``), and its text must equal the text it
-got under load (float32 by default: in bfloat16 batched and solo numerics
-differ, with or without speculation).
+``--concurrency`` clients send, until the time is up, one request of every
+kind, then a seeded mix of them: long (``--lengths``) and short prompts,
+questions on a few repeated documents (prefix-cache hits), streams the client
+drops mid-way, prompts longer than max_model_len, malformed JSON and invalid
+sampling parameters. Every 10 s it records the server's RSS (all its
+processes) and vLLM's KV cache usage. Then every completed greedy request is
+sent again alone (shortest first, for at most ``--soak-replay-minutes``), and
+its text must equal the text it got under load (float32 by default: in
+bfloat16 batched and solo numerics differ, with or without speculation).
 """
 
 from __future__ import annotations

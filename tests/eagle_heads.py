@@ -295,11 +295,8 @@ def build_trained_eagle_head(spec_or_target_dir: TinyModelSpec | Path, kind: str
     target's. Pass the damped-attention target
     (``build_damped_attention_copy(TARGET_LLAMA, 0.05)``) for a head that
     predicts well on long inputs. Training runs in a subprocess on two
-    threads: 4.8 min for 200 steps at ttt 3 on a 2-core AVX2 machine (7.3 min
-    on one), batch accuracy 0.60 / 0.58 / 0.57 per draft step. 120 steps
-    (2.8 min, 0.56 / 0.53 / 0.49) left the eagle3 benchmark test's point
-    marginal: cmr 2.29 against stock 2.00 at 1,536 tokens, below the sliding
-    window's 2.43, where 200 steps give 3.20 / 2.43 / 2.67.
+    threads (4.8 min for 200 steps at ttt 3 on a 2-core AVX2 machine, batch
+    accuracy 0.60 / 0.58 / 0.57 per draft step; fewer steps: see README).
     """
     if isinstance(spec_or_target_dir, TinyModelSpec):
         source = build_model(spec_or_target_dir)
