@@ -2,15 +2,20 @@
 
 Random heads for losslessness tests, and heads trained in a few minutes with
 plain torch to imitate a tiny target (for acceptance checks). Cached like the
-models of ``tiny_models.py``.
+models of ``tiny_models.py``. The trained head the suite uses ships in
+``tests/fixtures`` with a digest of the target it was trained for; it is
+trained afresh only where the tiny target comes out different.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -53,6 +58,8 @@ EAGLE_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaF
 
 TRAINED_HEAD_VERSION = 3
 TRAINING_THREADS = min(2, os.cpu_count() or 1)
+HEAD_FIXTURES = REPO_ROOT / "tests" / "fixtures"
+_HEAD_FILES = ("config.json", "model.safetensors", "eagle_training.json")
 
 
 def eagle3_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -296,7 +303,9 @@ def build_trained_eagle_head(spec_or_target_dir: TinyModelSpec | Path, kind: str
     (``build_damped_attention_copy(TARGET_LLAMA, 0.05)``) for a head that
     predicts well on long inputs. Training runs in a subprocess on two
     threads (4.8 min for 200 steps at ttt 3 on a 2-core AVX2 machine, batch
-    accuracy 0.60 / 0.58 / 0.57 per draft step; fewer steps: see README).
+    accuracy 0.60 / 0.58 / 0.57 per draft step; fewer steps: see README),
+    unless ``tests/fixtures`` holds a head trained the same way for this very
+    target (``committed_head``).
     """
     if isinstance(spec_or_target_dir, TinyModelSpec):
         source = build_model(spec_or_target_dir)
@@ -307,21 +316,89 @@ def build_trained_eagle_head(spec_or_target_dir: TinyModelSpec | Path, kind: str
     target = cache_root() / f"{kind}-trained-{_key(payload)}"
 
     def build(out: Path) -> None:
-        # A process of its own, on at most two threads (while it trains, the
-        # test process waits): once a vLLM CPU worker has run in this
-        # process, torch.set_num_threads is a no-op here, and its spinning
-        # threads make these tiny ops up to ~100x slower.
-        env = {**os.environ, "OMP_NUM_THREADS": str(TRAINING_THREADS),
-               "PYTHONPATH": os.pathsep.join(
-                   [str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-        args = json.dumps([str(source), kind, window, steps, seed, ttt, str(out)])
-        subprocess.run(
-            [sys.executable, "-c",
-             "import json, sys; from tests.eagle_heads import _train_eagle_head; "
-             "_train_eagle_head(*json.loads(sys.argv[1]))", args],
-            check=True, env=env, cwd=REPO_ROOT)
+        fixture = committed_head(source, kind, window, steps, seed, ttt)
+        if fixture is not None:
+            from transformers import AutoTokenizer
+
+            for name in _HEAD_FILES:
+                shutil.copy2(fixture / name, out / name)
+            AutoTokenizer.from_pretrained(source).save_pretrained(out)
+            return
+        if _fixture_dir(kind, window, steps, seed, ttt).is_dir():
+            print(f"training the EAGLE head: its committed copy was trained for another "
+                  f"tiny target than {source}", file=sys.stderr)
+        _train_in_subprocess(source, kind, window, steps, seed, ttt, out)
 
     return _atomic_build(target, build)
+
+
+def _train_in_subprocess(source: Path, kind: str, window: int, steps: int, seed: int, ttt: int,
+                         out: Path) -> None:
+    # A process of its own, on at most two threads (while it trains, the
+    # test process waits): once a vLLM CPU worker has run in this process,
+    # torch.set_num_threads is a no-op here, and its spinning threads make
+    # these tiny ops up to ~100x slower.
+    env = {**os.environ, "OMP_NUM_THREADS": str(TRAINING_THREADS),
+           "PYTHONPATH": os.pathsep.join(
+               [str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    args = json.dumps([str(source), kind, window, steps, seed, ttt, str(out)])
+    subprocess.run(
+        [sys.executable, "-c",
+         "import json, sys; from tests.eagle_heads import _train_eagle_head; "
+         "_train_eagle_head(*json.loads(sys.argv[1]))", args],
+        check=True, env=env, cwd=REPO_ROOT)
+
+
+def model_digest(model_dir: Path) -> str:
+    """sha256 of a model folder's tensors (names, dtypes, shapes, bytes) and
+    tokenizer: equal digests, equal model."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in sorted(weights.keys()):
+                tensor = weights.get_tensor(name).contiguous()
+                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update((Path(model_dir) / "tokenizer.json").read_bytes())
+    return digest.hexdigest()
+
+
+def _fixture_dir(kind: str, window: int, steps: int, seed: int, ttt: int) -> Path:
+    return HEAD_FIXTURES / f"{kind}-head-w{window}-steps{steps}-ttt{ttt}-seed{seed}"
+
+
+def committed_head(source: Path, kind: str, window: int, steps: int, seed: int,
+                   ttt: int) -> Path | None:
+    """The committed head trained with these settings for exactly the target
+    at ``source``, or None (no fixture, another training version, or another
+    target: a tiny target built differently on this machine)."""
+    fixture = _fixture_dir(kind, window, steps, seed, ttt)
+    try:
+        trained_for = json.loads((fixture / "trained_for.json").read_text())
+    except FileNotFoundError:
+        return None
+    if (trained_for["trained"] != TRAINED_HEAD_VERSION
+            or trained_for["target_digest"] != model_digest(source)):
+        return None
+    return fixture
+
+
+def write_committed_head(source: Path, kind: str = "eagle3", window: int = 512,
+                         steps: int = 200, seed: int = 0, ttt: int = 3) -> Path:
+    """Train a head for ``source`` and store it as the committed fixture
+    (``python -m tests.eagle_heads`` does it for the suite's head)."""
+    fixture = _fixture_dir(kind, window, steps, seed, ttt)
+    with tempfile.TemporaryDirectory() as tmp:
+        _train_in_subprocess(Path(source), kind, window, steps, seed, ttt, Path(tmp))
+        fixture.mkdir(parents=True, exist_ok=True)
+        for name in _HEAD_FILES:
+            shutil.copy2(Path(tmp) / name, fixture / name)
+    (fixture / "trained_for.json").write_text(json.dumps(
+        {"target_digest": model_digest(source), "trained": TRAINED_HEAD_VERSION}, indent=2))
+    return fixture
 
 
 def _train_eagle_head(source: str, kind: str, window: int, steps: int, seed: int, ttt: int,
@@ -417,3 +494,11 @@ def _train_eagle_head(source: str, kind: str, window: int, steps: int, seed: int
         "ttt": ttt, "final_loss": loss.item(),
         "accuracy_last_20_steps": [round(sum(a) / len(a), 4) for a in zip(*recent)],
         "seconds": round(time.monotonic() - started, 1)}, indent=2))
+
+
+if __name__ == "__main__":
+    # Retrain the suite's committed head (after a change to the tiny target or
+    # to the training): python -m tests.eagle_heads
+    from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+
+    print(write_committed_head(build_damped_attention_copy(TARGET_LLAMA, 0.05)))
