@@ -40,7 +40,8 @@ class RotaryLayout:
         return RotaryLayout(self.inv_freq.to(device), self.rotary_dim, self.is_neox_style)
 
 
-def rotation_angles(positions: torch.Tensor, layout: RotaryLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_angles(positions: torch.Tensor,
+                    layout: RotaryLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of ``positions * inv_freq``, each ``[num_tokens, rotary_dim // 2]``.
 
     Negative positions rotate backwards (used to store keys at position 0).

@@ -56,7 +56,8 @@ class DraftKVCopy:
         cos, sin = rotation_angles(self.token_positions[:num_tokens], self.rotary)
         keys = rotate_keys(key[:num_tokens].view(shape), cos, -sin, self.rotary)
         self.keys[layer].index_copy_(0, slots, keys.to(self.keys.dtype))
-        self.values[layer].index_copy_(0, slots, value[:num_tokens].view(shape).to(self.values.dtype))
+        values = value[:num_tokens].view(shape)
+        self.values[layer].index_copy_(0, slots, values.to(self.values.dtype))
 
     def write_working_cache(
         self,
