@@ -326,7 +326,8 @@ def build_trained_eagle_head(spec_or_target_dir: TinyModelSpec | Path, kind: str
             return
         if _fixture_dir(kind, window, steps, seed, ttt).is_dir():
             print(f"training the EAGLE head: its committed copy was trained for another "
-                  f"tiny target than {source}", file=sys.stderr)
+                  f"tiny target than {source} or by another version of the training",
+                  file=sys.stderr)
         _train_in_subprocess(source, kind, window, steps, seed, ttt, out)
 
     return _atomic_build(target, build)

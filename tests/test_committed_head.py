@@ -29,7 +29,7 @@ def test_a_committed_head_serves_only_its_own_target(tmp_path, monkeypatch):
     assert eagle_heads.committed_head(target, *settings) is None
 
 
-def test_model_digest_sees_one_changed_weight():
+def test_model_digest_tells_a_changed_model_apart():
     plain, damped = build_model(TARGET_LLAMA), build_damped_attention_copy(TARGET_LLAMA, 0.05)
     assert eagle_heads.model_digest(plain) == eagle_heads.model_digest(plain)
     assert eagle_heads.model_digest(plain) != eagle_heads.model_digest(damped)
