@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_specextend.core.goodput import (
     AcceptanceEstimates,
@@ -204,3 +205,40 @@ def test_catch_up_puts_each_rows_gap_before_its_query():
     flat = [(query_tokens + gap_tokens)[i] for i in layout.order]
     assert flat == ["g0@98", "g0@99", "q0a", "q0b", "q0c", "q0d", "q1",
                     "g2@47", "g2@48", "g2@49", "q2"]
+    # Where each query token lands: its old index plus its row's shift.
+    rows = np.repeat(np.arange(3), query_lens)
+    landed = np.arange(len(query_tokens)) + layout.row_shift[rows]
+    assert [flat[i] for i in landed] == query_tokens
+
+
+def test_gap_slots_are_the_slots_vllm_maps_those_positions_to():
+    import importlib
+
+    from vllm_specextend.core.catch_up import gap_slot_mapping
+
+    importlib.import_module("vllm._custom_ops")  # registers vLLM's CPU ops
+
+    block_size = 4
+    block_table = torch.tensor([[5, 2, 9, 7], [3, 11, 4, 0]], dtype=torch.int32)
+    rows = torch.tensor([0] * 13 + [1] * 10)
+    positions = torch.cat((torch.arange(13), torch.arange(2, 12)))
+    # vLLM's CPU kernel for its own slot mapping (what the runner calls).
+    vllm_slots = torch.full((len(positions),), -7, dtype=torch.int64)
+    torch.ops._C.compute_slot_mapping_kernel_impl(
+        torch.tensor([0, 13, 23], dtype=torch.int32), positions, block_table, vllm_slots,
+        block_size)
+    ours = gap_slot_mapping(block_table, rows, positions, block_size)
+    assert ours.tolist() == vllm_slots.tolist()
+
+
+def test_ring_rows_keep_each_requests_recent_positions_apart():
+    from vllm_specextend.core.catch_up import ring_rows
+
+    capacity = 8
+    slots = np.array([0, 0, 1, 1, 1])
+    positions = np.array([14, 15, 14, 15, 16])
+    rows = ring_rows(slots, positions, capacity)
+    assert rows.tolist() == [6, 7, 14, 15, 8]
+    # ``capacity`` consecutive positions of one request never share a row.
+    assert len(set(ring_rows(np.ones(capacity, int), np.arange(30, 30 + capacity),
+                             capacity).tolist())) == capacity

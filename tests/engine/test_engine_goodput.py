@@ -36,7 +36,8 @@ def _script_plans(worker, pause_from: int, pause_to: int) -> None:
 
     runner = worker.model_runner
     controller = runner.drafter.retrieval.control.controller
-    stock_plan = controller.plan
+    # Scripting again replaces the script (it does not wrap it).
+    stock_plan = controller.__dict__.setdefault("_stock_plan", controller.plan)
     runner._test = {"plans": 0, "log": []}
 
     def scripted(req_ids, *args):
@@ -161,3 +162,90 @@ def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target
             assert [list(o.outputs[0].token_ids) for o in outputs] == reference
         control = llm.collective_rpc(control_counts)[0]
     assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0
+
+
+def _forward_paused_steps(worker, forward: bool) -> None:
+    """Run the draft's forward on steps where nobody drafts (stock vLLM's
+    K=0 steps) instead of skipping it."""
+    worker.model_runner.drafter.retrieval.control.free_pause = not forward
+
+
+def _record_drafts(worker) -> None:
+    drafter = worker.model_runner.drafter
+    drafter._test_drafts = []
+    propose = type(drafter).propose
+
+    def recording(*args, **kwargs):
+        drafts = propose(drafter, *args, **kwargs)
+        drafter._test_drafts.append(drafts.tolist())
+        return drafts
+
+    drafter.propose = recording
+
+
+def _drafts(worker) -> list:
+    return worker.model_runner.drafter._test_drafts
+
+
+def test_a_paused_eagle3_head_skips_its_forward_and_catches_up_exactly(target_reference):
+    from tests.eagle_heads import build_trained_eagle_head
+    from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+
+    target = build_damped_attention_copy(TARGET_LLAMA, 0.05)
+    head = build_trained_eagle_head(target, kind="eagle3", window=512)
+    prompts = corpus_prompts(target, [150, 300, 420, 250])
+    reference = target_reference(target, prompts, MAX_TOKENS)
+    runs = {}
+    # Retrieval off (its options only need to fit the head's window): the
+    # head attends to everything, within its window.
+    options = {**FULL_CACHE_GOODPUT, "top_k_chunks": 2, "recent_tokens": 256}
+    with engine(target, head, method="eagle3", k=K, spec_extend=options,
+                max_model_len=512) as llm:
+        for name in ("free pauses", "stock pauses", "not caught up"):
+            llm.collective_rpc(_forward_paused_steps, args=(name == "stock pauses",))
+            if name == "not caught up":
+                llm.collective_rpc(_skip_catch_up)
+            llm.collective_rpc(_script_plans, args=(4, 12))
+            llm.collective_rpc(_record_drafts)
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == reference, name
+            runs[name] = (llm.collective_rpc(_drafts)[0], llm.collective_rpc(_forward_log)[0])
+        control = llm.collective_rpc(control_counts)[0]
+    drafts, log = runs["free pauses"]
+    steps = log.split("T")[1:]
+    # The head's K forwards per drafting step, none while paused.
+    assert steps[:4] == ["D" * K] * 4
+    assert steps[4:12] == [""] * 8
+    assert steps[12] == "D" * K
+    assert control["catch_up_tokens"] > 0
+    # Stock pauses run the head's first pass every step: its KV stays
+    # complete. Caught up from the kept hidden states, the head drafts
+    # exactly what it drafts then, every step after the pause.
+    stock_drafts, stock_log = runs["stock pauses"]
+    assert stock_log.split("T")[5:13] == ["D"] * 8
+    assert drafts[12:] == stock_drafts[12:] and any(drafts[12:])
+    # Without the catch-up the head reads holes and drafts otherwise.
+    assert runs["not caught up"][0][12:] != stock_drafts[12:]
+
+
+def test_goodput_control_with_a_head_at_compact_positions_equals_target_alone(target_reference):
+    from tests.eagle_heads import build_trained_eagle_head
+    from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy
+
+    target = build_damped_attention_copy(TARGET_LLAMA, 0.05)
+    head = build_trained_eagle_head(target, kind="eagle3", window=512)
+    prompts = corpus_prompts(target, [1500, 3000, 2200, 1800])
+    reference = target_reference(target, prompts, MAX_TOKENS)
+    # Past the head's window of 512: cmr at compact positions.
+    options = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256,
+               "min_context_tokens": 512, **GOODPUT}
+    with engine(target, head, method="eagle3", k=K, spec_extend=options,
+                enable_prefix_caching=True) as llm:
+        # Drafting costs as much as verifying: the head pauses, then probes.
+        llm.collective_rpc(_simulate_device, args=(0.010, 0.002, 0.004))
+        for _ in range(2):
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        control = llm.collective_rpc(control_counts)[0]
+    assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0
+    assert control["skipped_draft_forwards"] > 0 and control["catch_up_tokens"] > 0

@@ -4,6 +4,11 @@ When a draft's forward was skipped (goodput control's free pauses), each
 request's next first pass processes, before its query, the tokens verified
 meanwhile: request ``r``'s gap is positions ``starts[r] .. starts[r] + gaps[r]``.
 Pure numpy on host lengths: the device only gathers with the result.
+
+An EAGLE head's first pass also takes the target's hidden state of every
+token: :func:`ring_rows` indexes the buffer that keeps them for skipped steps,
+and :func:`gap_slot_mapping` gives the gap tokens their KV slots (a head
+writes through the target's slot mapping, which has none for them).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,10 @@ class CatchUpLayout:
     """Per gap token (in gap order), its row."""
     gap_positions: np.ndarray
     """Per gap token, its position in its request."""
+    row_shift: np.ndarray
+    """``[rows]``: how far each row's query tokens move (its gap and those of
+    the rows before it): a query token's index in the first pass is its old
+    index plus its row's shift."""
 
 
 def catch_up_layout(query_lens: np.ndarray, starts: np.ndarray,
@@ -44,4 +54,19 @@ def catch_up_layout(query_lens: np.ndarray, starts: np.ndarray,
                      old_query_start[rows] + in_row - gaps[rows])
     gap_rows = rows[is_gap]
     return CatchUpLayout(query_start_loc, order, gap_rows,
-                         starts[gap_rows] + in_row[is_gap])
+                         starts[gap_rows] + in_row[is_gap], gap_start[1:])
+
+
+def ring_rows(slots: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
+              capacity: int):
+    """Row of a ``[requests x capacity]`` ring (flattened) holding each
+    token's entry: request slot ``slots[i]``, position ``positions[i]``."""
+    return slots * capacity + positions % capacity
+
+
+def gap_slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                     block_size: int) -> torch.Tensor:
+    """The KV slot of each gap token (row ``rows[i]`` of ``block_table``,
+    position ``positions[i]``): what vLLM's slot mapping would give it."""
+    blocks = block_table[rows, torch.div(positions, block_size, rounding_mode="floor")]
+    return blocks.long() * block_size + positions % block_size

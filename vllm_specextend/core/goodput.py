@@ -236,6 +236,8 @@ def _expected_accepted(survival: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
+PROBE_INTERVAL = 16
+"""Paused plans before a paused request's first probe."""
 MAX_PROBE_BACKOFF = 8
 """A failing request is probed at most every 8 x ``probe_interval`` plans."""
 
@@ -293,7 +295,7 @@ class GoodputController:
         max_requests: int,
         num_speculative_tokens: int,
         free_pause: bool,
-        probe_interval: int = 16,
+        probe_interval: int = PROBE_INTERVAL,
         explore_interval: int = 64,
         hysteresis: float = 0.1,
     ) -> None:
@@ -391,6 +393,10 @@ class GoodputController:
                     self.stats.request_paused_fraction.observe(
                         torch.tensor(state.paused_decode_steps / decode_steps),
                         torch.tensor(True))
+
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        """The slots of requests planned and not finished."""
+        return np.array([self._requests[r].slot for r in req_ids], dtype=np.int64)
 
     def request_figures(self) -> dict[str, dict[str, int]]:
         """Per live request: decode steps drafted and paused."""

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from vllm_specextend.core.catch_up import catch_up_layout
+from vllm_specextend.core.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
@@ -68,6 +68,17 @@ class V1Retrieval:
             get_layers_from_vllm_config(self.vllm_config, Attention),
             self._draft_attn_layer_names,
         )
+        if not self.needs_extra_input_slots:
+            # A head fed the target's hidden states (EAGLE's default pathway).
+            self.retrieval.keep_paused_hidden_states(self._target_hidden_width(), self.dtype)
+
+    def _target_hidden_width(self) -> int:
+        """Width of the target hidden states ``propose`` receives: EAGLE-3's
+        concatenated auxiliary layers (its ``fc`` input) or the target's own."""
+        head = getattr(self.model, "model", None)
+        if getattr(head, "use_aux_hidden_state", False):
+            return head.fc_input_size
+        return self.vllm_config.model_config.get_hidden_size()
 
     @override
     def initialize_attn_backend(
@@ -98,6 +109,7 @@ class V1Retrieval:
             num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
             if not runs:
                 # Nobody drafts: no forward, no retrieval (caught up later).
+                self._keep_hidden_states(kwargs, batch)
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
         self._draft_view = self.retrieval.plan(batch)
@@ -109,11 +121,21 @@ class V1Retrieval:
             self._draft_view = None
             self._position_shift.zero_()
 
+    def _keep_hidden_states(self, kwargs: dict, batch: PlanningBatch) -> None:
+        """A skipped step's target hidden states, for the head's catch-up."""
+        paused_hidden = self.retrieval.paused_hidden
+        if paused_hidden is None:
+            return
+        token_slots = np.repeat(self.retrieval.control.slots(batch.req_ids), batch.query_lens_cpu)
+        paused_hidden.record(token_slots, batch.positions, kwargs["target_hidden_states"])
+
     def _with_catch_up(self, kwargs: dict, batch: PlanningBatch) -> dict:
         """The first pass's inputs with, before each request's query, the
         tokens verified while the draft's forward was skipped (its KV
         frontier onwards): like a longer prompt chunk, their draft KV is
-        written and the drafts follow the query as usual."""
+        written and the drafts follow the query as usual. A head also gets
+        their kept hidden states and KV slots, and samples from its rows'
+        moved last tokens."""
         control = self.retrieval.control
         num_rows = len(batch.req_ids)
         context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
@@ -141,13 +163,30 @@ class V1Retrieval:
         padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
         query_start_cpu = torch.from_numpy(np.concatenate(
             (new_query_start, np.full(padding, new_query_start[-1]))).astype(np.int32))
+        slot_mapping = cad.slot_mapping[:num_tokens]
+        gap_slots = gap_slot_mapping(
+            cad.block_table_tensor, torch.from_numpy(layout.gap_rows).to(device, non_blocking=True),
+            torch.from_numpy(layout.gap_positions).to(device, non_blocking=True),
+            self.retrieval.block_size)
         kwargs["common_attn_metadata"] = cad.replace(
             query_start_loc=query_start_cpu.to(device, non_blocking=True),
             query_start_loc_cpu=query_start_cpu,
             num_actual_tokens=int(new_query_start[-1]),
             max_query_len=int(np.diff(new_query_start).max()),
+            slot_mapping=torch.cat((slot_mapping, gap_slots.to(slot_mapping.dtype)))[order],
             _num_computed_tokens_cache=None,
         )
+        if kwargs.get("token_indices_to_sample") is not None:
+            shift = torch.from_numpy(layout.row_shift).to(device, non_blocking=True)
+            indices = kwargs["token_indices_to_sample"].clone()
+            indices[:num_rows] += shift.to(indices.dtype)
+            kwargs["token_indices_to_sample"] = indices
+        paused_hidden = self.retrieval.paused_hidden
+        if paused_hidden is not None:
+            gap_slots_of_requests = control.slots(batch.req_ids)[layout.gap_rows]
+            hidden = kwargs["target_hidden_states"][:num_tokens]
+            gap_hidden = paused_hidden.gather(gap_slots_of_requests, layout.gap_positions)
+            kwargs["target_hidden_states"] = torch.cat((hidden, gap_hidden))[order]
         return kwargs
 
     def planning_batch(

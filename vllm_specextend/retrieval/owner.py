@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_specextend.core.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import (
     DraftView,
@@ -40,6 +41,7 @@ from vllm_specextend.retrieval.layer_hooks import (
     tap_bytes_per_token,
     tap_target_layer,
 )
+from vllm_specextend.retrieval.paused_hidden_states import PausedHiddenStates
 from vllm_specextend.retrieval.speculation_control import SpeculationControl
 
 logger = plugin_logger(__name__)
@@ -96,6 +98,8 @@ class DraftRetrieval:
         self.block_size = -1
         self.kv_copy: DraftKVCopy | None = None
         self.max_num_reqs = max_num_reqs
+        self.paused_hidden: PausedHiddenStates | None = None
+        """An EAGLE head's inputs from skipped steps (goodput control)."""
         self.control: SpeculationControl | None = None
         self._resting_control: SpeculationControl | None = None
         self._set_up_control(setup.config)
@@ -137,6 +141,24 @@ class DraftRetrieval:
             self.target_layer_name, self.config.mode,
             "compact" if self.compact_positions else "original", self.draft_window,
         )
+
+    def keep_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
+        """At model load, for a drafter fed the target's hidden states (an
+        EAGLE head) under goodput control: keep those of skipped steps, so
+        that a pause skips the head's forward too."""
+        if not self.config.controls_speculation:
+            return
+        # A request paused longer is caught up from its last positions
+        # (older ones stay holes); its next probe comes sooner than that.
+        capacity = MAX_PROBE_BACKOFF * PROBE_INTERVAL + self.setup.num_speculative_tokens + 1
+        self.paused_hidden = PausedHiddenStates(
+            self.max_num_reqs, capacity, width, dtype, self.device)
+        logger.info(
+            "SpecExtend: goodput control keeps the target's hidden states of the last %d "
+            "skipped positions per request for the head (%.1f MiB)", capacity,
+            self.paused_hidden.states.numel() * self.paused_hidden.states.element_size() / 2**20)
+        self.control = None
+        self._set_up_control(self.config)
 
     def kv_cache_group(self, kv_cache_config) -> int:
         """The one KV cache group that holds the scoring layer and every
@@ -285,11 +307,17 @@ class DraftRetrieval:
             return
         self.control = self.control or self._resting_control
         if self.control is None:
+            paused_hidden = self.paused_hidden
             self.control = SpeculationControl(
                 self.max_num_reqs, self.setup.num_speculative_tokens,
-                # A draft model catches up from token ids; a head would need
+                # A draft model catches up from token ids; a head also needs
                 # the target's hidden states of the skipped tokens.
-                free_pause=self.setup.method == "draft_model",
+                free_pause=self.setup.method == "draft_model" or paused_hidden is not None,
+                # A draft model's forward also writes the sampled token's KV;
+                # a head's needs the token after it.
+                synced_lead=1 if self.setup.method == "draft_model" else 0,
+                max_catch_up=None if paused_hidden is None else (
+                    paused_hidden.capacity - self.setup.num_speculative_tokens - 1),
             )
 
     def metrics_snapshot(self) -> dict[str, object]:

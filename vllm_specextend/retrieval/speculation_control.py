@@ -3,13 +3,13 @@ draft KV frontier of each request, and what the drafter's first pass must
 catch up when drafting resumes.
 
 A step in which no request drafts and none is prefilling skips the draft's
-forward (when the drafter can catch up: a draft model, whose inputs are
-token ids; an EAGLE head needs the target's hidden states of every token, so
-its first pass always runs). The tokens verified meanwhile have no draft KV;
-each request's frontier says from where, and the next forward prepends them
-to the request's query (``catch_up_starts``), up to the drafter's token budget
-(older ones stay holes: the draft reads stale KV there, the target's output
-does not change).
+forward when the drafter can catch up: a draft model from token ids, an EAGLE
+head also from the target's hidden states kept for it
+(``paused_hidden_states.py``). The tokens verified meanwhile have no draft
+KV; each request's frontier says from where, and the next forward prepends
+them to the request's query (``catch_up_starts``), up to the drafter's token
+budget and, for a head, the positions kept (older ones stay holes: the draft
+reads stale KV there, the target's output does not change).
 """
 
 from __future__ import annotations
@@ -30,8 +30,20 @@ class SpeculationControl:
         max_requests: int,
         num_speculative_tokens: int,
         free_pause: bool,
+        synced_lead: int = 1,
+        max_catch_up: int | None = None,
     ) -> None:
+        """Args:
+            free_pause: a step where nobody drafts skips the draft's forward.
+            synced_lead: draft KV positions past the verified tokens that a
+                forward leaves right (a draft model's writes the sampled
+                token's; a head's needs the token after it: 0).
+            max_catch_up: most tokens a request catches up (a head: the
+                positions whose hidden states are kept).
+        """
         self.free_pause = free_pause
+        self.synced_lead = synced_lead
+        self.max_catch_up = max_catch_up
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
         self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause)
@@ -62,10 +74,10 @@ class SpeculationControl:
         for req_id, context_len in zip(req_ids, context_lens.tolist()):
             frontier = self._frontier.get(req_id)
             if req_id in self._synced:
-                # The last forward wrote the verified tokens and the next one
-                # (the token at ``context_len``).
-                self._frontier[req_id] = context_len + 1
-            elif frontier is None or context_len + 1 < frontier:
+                # The last forward wrote the verified tokens (and, for a draft
+                # model, the token at ``context_len``).
+                self._frontier[req_id] = context_len + self.synced_lead
+            elif frontier is None or context_len + self.synced_lead < frontier:
                 # New, or preempted and recomputed from an earlier point.
                 self._frontier[req_id] = context_len
         prefilling = bool((context_lens < prompt_lens).any())
@@ -87,11 +99,17 @@ class SpeculationControl:
         gaps = np.maximum(context_lens - starts, 0)
         if not gaps.any():
             return None
+        if self.max_catch_up is not None:
+            gaps = np.minimum(gaps, self.max_catch_up)
         total = int(gaps.sum())
         if total > budget:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
         self.catch_up_tokens += int(gaps.sum())
         return context_lens - gaps
+
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        """Each planned request's slot (``0 .. max_requests - 1``)."""
+        return self.controller.slots(req_ids)
 
     def metrics_snapshot(self) -> dict[str, object]:
         stats = self.controller.stats

@@ -1,0 +1,45 @@
+"""The target's hidden states of steps whose EAGLE-head forward was skipped.
+
+A head's first pass takes, per token, the target's hidden state there and the
+next token. When goodput control skips the head's forward (nobody drafts),
+the hidden states the target just computed would be lost; this keeps the
+last ``capacity`` positions of each request (a ring per request slot), so
+the next forward catches the request up as a draft model's does, from token
+ids and these. Allocated at model load, before vLLM measures free memory:
+``max_requests x capacity x width`` in the target's dtype.
+
+Every token of a skipped step is written at its position, rejected drafts
+too: a position is written again when it is verified again, so what a
+position holds when it is caught up is its verified token's hidden state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_specextend.core.catch_up import ring_rows
+
+
+class PausedHiddenStates:
+
+    def __init__(self, max_requests: int, capacity: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.capacity = capacity
+        self.width = width
+        self.states = torch.zeros(max_requests * capacity, width, dtype=dtype, device=device)
+
+    def record(self, token_slots: np.ndarray, positions: torch.Tensor,
+               hidden_states: torch.Tensor) -> None:
+        """Keep ``hidden_states[i]`` (a skipped step's flat query tokens) for
+        request slot ``token_slots[i]`` at ``positions[i]``."""
+        num_tokens = len(token_slots)
+        slots = torch.from_numpy(token_slots).to(positions.device, non_blocking=True)
+        rows = ring_rows(slots, positions[:num_tokens].long(), self.capacity)
+        self.states.index_copy_(0, rows, hidden_states[:num_tokens].to(self.states.dtype))
+
+    def gather(self, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """The kept hidden states of request slots ``slots`` at ``positions``
+        (each within its request's last ``capacity`` recorded positions)."""
+        rows = torch.from_numpy(ring_rows(slots, positions, self.capacity))
+        return self.states[rows.to(self.states.device, non_blocking=True)]
