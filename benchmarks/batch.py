@@ -15,10 +15,13 @@ retrieval seconds per decode step, kept fraction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
@@ -63,6 +66,12 @@ class BatchMeasurement:
     """Goodput control's counts of the run (``goodput`` only)."""
     acceptance_per_position: list[float] | None = None
     """Share of drafts accepted up to each draft position."""
+    round_tok_s: list[float] | None = None
+    """Interleaved rounds (``--rounds``): output tok/s of every round; the
+    measurement is the round of median speed."""
+    paired_vs_target: float | None = None
+    """Interleaved rounds: the median over rounds of this run's speed over the
+    target alone's in the same round (the run beside it: drift cancels)."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -114,49 +123,134 @@ def engine_runs(args, engine_config: str, configs: list[str],
     """All runs of one engine (``spec_extend``: its options; the ``cmr``
     engine switches its drafter between ``SWITCHED_CONFIGS``); returns
     measurements and output token ids."""
-    from vllm import SamplingParams, TokensPrompt
+    with started_engine(**_engine_kwargs(args, engine_config, spec_extend)) as llm:
+        llm.collective_rpc(install_timers)
+        measurements, token_ids = [], {}
+        for length, passages in prompts.items():
+            progress.set_postfix_str(f"{engine_config} engine: prefill {length}")
+            _prefill(llm, passages)
+            for batch_size in _batch_sizes(args, passages):
+                for config in configs:
+                    m, ids = _measured_run(args, llm, engine_config, config,
+                                           passages[:batch_size], length)
+                    measurements.append(m)
+                    token_ids[(config, batch_size, length)] = ids
+                    _report(progress, m)
+    return measurements, token_ids
 
-    base = json.loads(args.spec_extend) if args.spec_extend else {}
-    kwargs = engine_kwargs(args, engine_config, spec_extend) | {
+
+def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | None, Any]],
+                            prompts: dict[int, list[list[int]]], progress,
+                            rounds: int) -> tuple[list, dict]:
+    """The runs of several engines, all open at once (``engines``: engine
+    configuration, its configurations, its ``spec_extend``, its args): at
+    every point each configuration runs ``rounds`` times, the engines taking
+    turns (in reverse order every other round). A host whose speed drifts
+    over minutes (a VM's neighbours) then slows every configuration alike,
+    where engines run one after another would each see another speed. Per
+    configuration and point, the run of median speed is reported, with the
+    speed of every round (``round_tok_s``) and the median of its rounds'
+    speeds over the target alone's (``paired_vs_target``).
+
+    One engine at most may draft, and it opens last: a new ``LLM`` drops the
+    earlier engines' Prometheus counters (``unregister_vllm_metrics``), which
+    acceptance is read from."""
+    drafting = [e for e in engines if e[0] not in ("target", "target_sync")]
+    if len(drafting) > 1:
+        raise SystemExit(
+            f"--rounds: at most one drafting engine at a time (got {[e[0] for e in drafting]}): "
+            "vLLM keeps one engine's spec-decode counters per process; pass fewer --configs")
+    engines = [e for e in engines if e not in drafting] + drafting
+    with contextlib.ExitStack() as stack:
+        llms = []
+        for engine_config, _, spec_extend, engine_args in engines:
+            llm = stack.enter_context(
+                started_engine(**_engine_kwargs(engine_args, engine_config, spec_extend)))
+            llm.collective_rpc(install_timers)
+            llms.append(llm)
+        measurements, token_ids = [], {}
+        for length, passages in prompts.items():
+            for (engine_config, *_), llm in zip(engines, llms):
+                progress.set_postfix_str(f"{engine_config} engine: prefill {length}")
+                _prefill(llm, passages)
+            for batch_size in _batch_sizes(args, passages):
+                runs: dict[str, list] = {}
+                for round_index in range(rounds):
+                    turns = list(zip(engines, llms))
+                    for (engine_config, configs, _, engine_args), llm in (
+                            turns if round_index % 2 == 0 else turns[::-1]):
+                        for config in configs:
+                            m, ids = _measured_run(engine_args, llm, engine_config, config,
+                                                   passages[:batch_size], length)
+                            runs.setdefault(config, []).append((m, ids))
+                            progress.set_postfix_str(
+                                f"round {round_index + 1}/{rounds} {config} b={batch_size} "
+                                f"{length}: {m.output_tok_s:.2f} tok/s")
+                target_rounds = [run[0].output_tok_s for run in runs.get("target", [])]
+                for config, config_runs in runs.items():
+                    m, ids = sorted(config_runs, key=lambda run: run[0].output_tok_s)[
+                        len(config_runs) // 2]
+                    m.round_tok_s = [run[0].output_tok_s for run in config_runs]
+                    if target_rounds:
+                        m.paired_vs_target = float(np.median(
+                            np.array(m.round_tok_s) / np.array(target_rounds)))
+                    measurements.append(m)
+                    token_ids[(config, batch_size, length)] = ids
+                    progress.update(1)
+    return measurements, token_ids
+
+
+def _engine_kwargs(args, engine_config: str, spec_extend: dict | None) -> dict[str, Any]:
+    return engine_kwargs(args, engine_config, spec_extend) | {
         "enable_prefix_caching": True,
         "max_num_seqs": max(args.batch_sizes),
     }
-    with started_engine(**kwargs) as llm:
-        measurements, token_ids = [], {}
-        llm.collective_rpc(install_timers)
-        prefill = SamplingParams(temperature=0.0, max_tokens=1)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        for length, passages in prompts.items():
-            progress.set_postfix_str(f"{engine_config} engine: prefill {length}")
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in passages], prefill,
-                         use_tqdm=False)
-            for batch_size in sorted(args.batch_sizes, reverse=True):
-                if batch_size > len(passages):
-                    continue  # a point left out of the grid (fewer passages)
-                batch = [TokensPrompt(prompt_token_ids=p) for p in passages[:batch_size]]
-                for config in configs:
-                    if engine_config == "cmr":
-                        mode = {"draft_model": "off", "goodput": "cmr"}.get(config, config)
-                        control = "goodput" if config == "goodput" else "off"
-                        llm.collective_rpc(reconfigure_drafter, args=(
-                            {**base, "mode": mode, "speculation_control": control},))
-                    control0 = llm.collective_rpc(control_counts)[0]
-                    c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
-                    outputs = llm.generate(batch, params, use_tqdm=False)
-                    c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
-                    m = _measure(config, batch_size, length, outputs, c0, c1, t0, t1)
-                    if config == "goodput":
-                        # The controller keeps what it learnt across runs (as
-                        # in a serving engine); its counts are this run's.
-                        m.control = _count_deltas(llm.collective_rpc(control_counts)[0],
-                                                  control0)
-                    measurements.append(m)
-                    token_ids[(config, batch_size, length)] = [
-                        list(o.outputs[0].token_ids) for o in outputs]
-                    progress.update(1)
-                    progress.set_postfix_str(
-                        f"{config} b={batch_size} {length}: {m.output_tok_s:.2f} tok/s")
-    return measurements, token_ids
+
+
+def _prefill(llm, passages: list[list[int]]) -> None:
+    """Every passage into the prefix cache (untimed)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in passages],
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+
+
+def _batch_sizes(args, passages: list[list[int]]) -> list[int]:
+    """The batch sizes measured with these passages, largest first (points
+    left out of the grid have fewer passages)."""
+    return [b for b in sorted(args.batch_sizes, reverse=True) if b <= len(passages)]
+
+
+def _measured_run(args, llm, engine_config: str, config: str, passages: list[list[int]],
+                  length: int) -> tuple[BatchMeasurement, list[list[int]]]:
+    """One ``LLM.generate`` call of the batch under ``config`` (the ``cmr``
+    engine's drafter switched to it first): its measurement and output ids."""
+    from vllm import SamplingParams, TokensPrompt
+
+    if engine_config == "cmr":
+        base = json.loads(args.spec_extend) if args.spec_extend else {}
+        mode = {"draft_model": "off", "goodput": "cmr"}.get(config, config)
+        control = "goodput" if config == "goodput" else "off"
+        llm.collective_rpc(reconfigure_drafter,
+                           args=({**base, "mode": mode, "speculation_control": control},))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in passages]
+    control0 = llm.collective_rpc(control_counts)[0]
+    c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+    m = _measure(config, len(passages), length, outputs, c0, c1, t0, t1)
+    if config == "goodput":
+        # The controller keeps what it learnt across runs (as in a serving
+        # engine); its counts are this run's.
+        m.control = _count_deltas(llm.collective_rpc(control_counts)[0], control0)
+    return m, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _report(progress, m: BatchMeasurement) -> None:
+    progress.update(1)
+    progress.set_postfix_str(
+        f"{m.config} b={m.batch_size} {m.context_tokens}: {m.output_tok_s:.2f} tok/s")
 
 
 def mark_same_as_target(measurements: list[BatchMeasurement], token_ids: dict) -> None:
@@ -190,12 +284,19 @@ def run_batch(args) -> dict[str, Any]:
     total = len(configs) * len(args.lengths) * len(args.batch_sizes)
     measurements: list[BatchMeasurement] = []
     token_ids: dict = {}
+    opened = [(engine_config, engine_configs,
+               engine_spec_extend(args, engine_config, engine_configs), args)
+              for engine_config, engine_configs in engines]
     with tqdm(total=total, desc="batched benchmark", unit="run") as progress:
-        for engine_config, engine_configs in engines:
-            runs, ids = engine_runs(args, engine_config, engine_configs, prompts, progress,
-                                    engine_spec_extend(args, engine_config, engine_configs))
-            measurements += runs
-            token_ids.update(ids)
+        if args.rounds > 1:
+            measurements, token_ids = interleaved_engine_runs(args, opened, prompts, progress,
+                                                              args.rounds)
+        else:
+            for engine_config, engine_configs, spec_extend, _ in opened:
+                runs, ids = engine_runs(args, engine_config, engine_configs, prompts, progress,
+                                        spec_extend)
+                measurements += runs
+                token_ids.update(ids)
     mark_same_as_target(measurements, token_ids)
     return {
         "machine": machine_info(),
@@ -209,8 +310,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
-        "verify s/step | retrieval s/step | kept % | paused % | same as target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "verify s/step | retrieval s/step | kept % | paused % | same as target | "
+        "rounds tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -222,13 +324,13 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         lines.append(
             f"| {m.config} | {m.batch_size} | {m.context_tokens} | {m.output_tok_s:.2f} | "
             f"{fmt(m.output_tok_s / stock.output_tok_s if stock else None)}x | "
-            f"{fmt(m.output_tok_s / target.output_tok_s if target else None)}x | "
+            f"{fmt(vs_target(m, target))}x | "
             f"{fmt(m.mean_acceptance_length)} | {fmt(acc)}x | "
             f"{m.drafted_tokens} / {m.output_tokens} | "
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_s_per_step, '.4f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
-            f"{fmt(_paused_percent(m.control), '.0f')} | {same} |"
+            f"{fmt(paused_percent(m.control), '.0f')} | {same} | {rounds_cell(m)} |"
         )
     return "\n".join(lines)
 
@@ -239,7 +341,20 @@ def _count_deltas(after: dict, before: dict) -> dict:
             for key, value in after.items()}
 
 
-def _paused_percent(control: dict | None) -> float | None:
+def vs_target(m: BatchMeasurement, target: BatchMeasurement | None) -> float | None:
+    """Speed over the target alone's: paired round by round where the runs
+    were interleaved, else the two measurements' ratio."""
+    if m.paired_vs_target is not None:
+        return m.paired_vs_target
+    return m.output_tok_s / target.output_tok_s if target else None
+
+
+def rounds_cell(m: BatchMeasurement) -> str:
+    """Interleaved rounds' tok/s (``--rounds``), or empty."""
+    return " / ".join(f"{x:.2f}" for x in m.round_tok_s) if m.round_tok_s else "-"
+
+
+def paused_percent(control: dict | None) -> float | None:
     """Goodput control: request-steps without drafts, in % of all."""
     if not control:
         return None

@@ -119,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="an EAGLE-3 head on long inputs (stock full attention, sliding "
                              "window, cmr, streaming, goodput; default --batch-sizes 1 4) "
                              "instead")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--eagle3 / batches: open every engine at once and run each "
+                             "point this many times, the engines taking turns; report each "
+                             "configuration's median round (for hosts whose speed drifts; "
+                             "needs memory for all engines)")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="--eagle3: leave out batches of more prompt tokens than this "
                              "(the smallest batch always runs)")

@@ -38,7 +38,11 @@ from benchmarks.batch import (
     BatchMeasurement,
     engine_runs,
     engine_spec_extend,
+    interleaved_engine_runs,
     mark_same_as_target,
+    paused_percent,
+    rounds_cell,
+    vs_target,
 )
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
@@ -128,15 +132,21 @@ def run_eagle3(args) -> dict[str, Any]:
     total = len(configs) * len(points)
     measurements: list[BatchMeasurement] = []
     token_ids: dict = {}
+    opened = [(engine_config, engine_configs,
+               engine_spec_extend(args, engine_config, engine_configs)
+               if engine_config == "cmr" else None,
+               argparse.Namespace(**{**vars(args), "draft": str(draft)}))
+              for engine_config, engine_configs, draft in engines]
     with tqdm(total=total, desc="eagle3 benchmark", unit="run") as progress:
-        for engine_config, engine_configs, draft in engines:
-            engine_args = argparse.Namespace(**{**vars(args), "draft": str(draft)})
-            spec_extend = (engine_spec_extend(args, engine_config, engine_configs)
-                           if engine_config == "cmr" else None)
-            runs, ids = engine_runs(engine_args, engine_config, engine_configs, prompts,
-                                    progress, spec_extend)
-            measurements += runs
-            token_ids.update(ids)
+        if args.rounds > 1:
+            measurements, token_ids = interleaved_engine_runs(args, opened, prompts, progress,
+                                                              args.rounds)
+        else:
+            for engine_config, engine_configs, spec_extend, engine_args in opened:
+                runs, ids = engine_runs(engine_args, engine_config, engine_configs, prompts,
+                                        progress, spec_extend)
+                measurements += runs
+                token_ids.update(ids)
     mark_same_as_target(measurements, token_ids)
     head_report = head / "eagle_head.json"
     return {
@@ -182,11 +192,12 @@ def bars(measurements: list[BatchMeasurement]) -> list[str]:
             target = by_key.get(("target", batch, length))
             ours = [by_key[(c, batch, length)] for c in OURS if (c, batch, length) in by_key]
             if target and ours:
-                best = max(ours, key=lambda m: m.output_tok_s)
+                best = max(ours, key=lambda m: vs_target(m, target))
+                paired = " (paired by round)" if best.paired_vs_target is not None else ""
                 lines.append(
                     f"- batch {batch}, {length}: best of ours {best.config} "
                     f"{best.output_tok_s:.2f} tok/s = "
-                    f"{best.output_tok_s / target.output_tok_s:.2f}x the target alone "
+                    f"{vs_target(best, target):.2f}x the target alone{paired} "
                     f"({target.output_tok_s:.2f})")
     return lines
 
@@ -196,8 +207,8 @@ def eagle3_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| batch | context | config | output tok/s | vs target | acc. len | "
         + "".join(f"acc. pos {i + 1} | " for i in range(width))
-        + "draft s/step | verify s/step | kept % | same as target |",
-        "|---:|---:|---|---:|---:|---:|" + "---:|" * width + "---:|---:|---:|---|",
+        + "draft s/step | verify s/step | kept % | paused % | same as target | rounds tok/s |",
+        "|---:|---:|---|---:|---:|---:|" + "---:|" * width + "---:|---:|---:|---:|---|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     order = {c: i for i, c in enumerate(EAGLE3_CONFIGS)}
@@ -209,11 +220,11 @@ def eagle3_table(measurements: list[BatchMeasurement]) -> str:
         same = "-" if m.same_as_target is None else ("yes" if m.same_as_target else "NO")
         lines.append(
             f"| {m.batch_size} | {m.context_tokens} | {m.config} | {m.output_tok_s:.2f} | "
-            f"{fmt(m.output_tok_s / target.output_tok_s if target else None)}x | "
+            f"{fmt(vs_target(m, target))}x | "
             f"{fmt(m.mean_acceptance_length)} | " + "".join(f"{c} | " for c in cells)
             + f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
-            f"{same} |")
+            f"{fmt(paused_percent(m.control), '.0f')} | {same} | {rounds_cell(m)} |")
     return "\n".join(lines)
 
 

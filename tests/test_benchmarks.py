@@ -216,6 +216,11 @@ def test_eagle3_benchmark_shows_the_collapse_past_the_window_that_cmr_fixes(tmp_
     for (config, _), r in rows.items():
         if config == "target":
             continue
+        if config == "goodput" and r["drafted_tokens"] == 0:
+            # Goodput control paused throughout (its choice rests on the
+            # step costs measured on this machine).
+            assert r["acceptance_per_position"] is None
+            continue
         per_position = r["acceptance_per_position"]
         assert len(per_position) == 3  # K: the head's default depth
         assert per_position == sorted(per_position, reverse=True)
@@ -277,3 +282,49 @@ def test_document_qa_compares_private_layouts_with_questions_alone(tmp_path):
         assert all(r["drafted"] > 0 for r in rows)
     assert "| 1 (" in (tmp_path / "document_qa.md").read_text()
     assert (tmp_path / "document_qa.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch):
+    """``--rounds``: all engines open at once, the engines take turns (the
+    order reversed every other round), each configuration reports its median
+    round. Fake engines: the logic alone."""
+    import argparse
+    import contextlib
+
+    from benchmarks import batch
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_engine(**kwargs):
+        yield argparse.Namespace(collective_rpc=lambda *a, **k: [None], name=kwargs["model"])
+
+    def fake_run(args, llm, engine_config, config, passages, length):
+        calls.append(config)
+        # A host slowing down run by run: a drift the turns share out.
+        speed = 100.0 - len(calls)
+        return batch.BatchMeasurement(config, len(passages), length, 8, 4, 1.0, speed, None, 0,
+                                      None, None, None, None), [[len(calls)]]
+
+    monkeypatch.setattr(batch, "started_engine", fake_engine)
+    monkeypatch.setattr(batch, "_engine_kwargs", lambda args, config, spec: {"model": config})
+    monkeypatch.setattr(batch, "_prefill", lambda llm, passages: None)
+    monkeypatch.setattr(batch, "_measured_run", fake_run)
+    args = argparse.Namespace(batch_sizes=[1])
+    # The drafting engine opens last (its counters survive), whatever the order.
+    engines = [("cmr", ["cmr", "goodput"], {}, args), ("target", ["target"], None, args)]
+    progress = argparse.Namespace(update=lambda n: None, set_postfix_str=lambda s: None)
+    measurements, token_ids = batch.interleaved_engine_runs(
+        args, engines, {64: [[1, 2, 3]]}, progress, rounds=3)
+    assert calls == ["target", "cmr", "goodput", "cmr", "goodput", "target",
+                     "target", "cmr", "goodput"]
+    by_config = {m.config: m for m in measurements}
+    assert by_config["target"].round_tok_s == [99.0, 94.0, 93.0]
+    assert by_config["target"].output_tok_s == 94.0  # the median round
+    assert token_ids[("target", 1, 64)] == [[6]]
+    assert by_config["goodput"].round_tok_s == [97.0, 95.0, 91.0]
+    # Against the target round by round: 97/99, 95/94, 91/93.
+    assert by_config["goodput"].paired_vs_target == pytest.approx(97 / 99)
+    with pytest.raises(SystemExit, match="at most one drafting engine"):
+        batch.interleaved_engine_runs(args, engines + [("eagle3_full", ["eagle3_full"], None,
+                                                        args)], {64: [[1]]}, progress, 2)
