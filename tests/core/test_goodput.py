@@ -179,6 +179,38 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
     assert sum(h["r"] == 2 for h in steady) >= len(steady) - 2
 
 
+def test_requests_arriving_after_failed_probes_start_with_their_back_off():
+    # No exploration steps: probes alone decide when a paused request drafts.
+    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
+                                   probe_interval=8, explore_interval=10_000)
+    engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0})
+    for _ in range(100):
+        engine.step()
+    assert controller.stats.probes > 0
+    # The next requests: probed no sooner than the last failed probe's
+    # back-off (64 paused steps here), not after the interval of 8.
+    controller.finish(["a", "b"])
+    engine.acceptance = {"c": 0.0, "d": 0.0}
+    engine.context, engine.query = {"c": 1000, "d": 1000}, {"c": 1, "d": 1}
+    probes = controller.stats.probes
+    for _ in range(40):
+        engine.step()
+    assert controller.stats.probes == probes
+    # Once requests draft on their estimates again, an arrival drafts within
+    # the interval (here at once: the engine's estimates say drafts pay).
+    engine.acceptance["c"] = engine.acceptance["d"] = 1.0
+    for _ in range(200):
+        engine.step()
+    assert engine.history[-1] == {"c": K, "d": K}
+    controller.finish(["d"])
+    del engine.acceptance["d"]
+    engine.acceptance["e"] = 0.0
+    engine.context["e"], engine.query["e"] = 1000, 1
+    for _ in range(8):
+        engine.step()
+    assert any(h["e"] for h in engine.history[-8:])
+
+
 def test_drafting_stops_when_it_does_not_pay_for_anybody():
     controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True)
     # Drafts are never accepted and a draft step costs as much as the

@@ -308,6 +308,10 @@ class GoodputController:
         self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
         self._requests: dict[str, _RequestState] = {}
+        self._arrival_probe_after = 0
+        """Probe back-off of a new request: the latest probe's, until a
+        request drafts on its estimates again (short requests would
+        otherwise each pay the probes that already failed for others)."""
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._last_time: float | None = None
         self._last_prefilling = True
@@ -352,21 +356,29 @@ class GoodputController:
             other_tokens=int(np.where(decoding, 0, query_lens).sum()),
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
         )
+        chosen = plan.draft_lengths
         plan = self._explore(plan, decoding)
-        for state, length, probe, decodes in zip(states, plan.draft_lengths, probing, decoding):
+        for state, length, probe, decodes, merit in zip(states, plan.draft_lengths, probing,
+                                                         decoding, chosen):
             state.drafted = int(length)
-            state.probed = bool(probe and length)
+            # Drafts not chosen on estimates (probes, warm-up, exploration)
+            # weigh as probes: they may follow a pause.
+            state.probed = bool(length) and (bool(probe) or not merit)
             state.paused_steps = 0 if length else state.paused_steps + 1
             if decodes:
                 state.drafted_steps += bool(length)
                 state.paused_decode_steps += not length
             if probe and length:
-                # A request whose probes keep failing is probed less often.
+                # A request whose probes keep failing is probed less often,
+                # and so are the requests that arrive after it.
                 self.stats.probes += 1
                 state.probe_after = min(2 * (state.probe_after or self.probe_interval),
                                         MAX_PROBE_BACKOFF * self.probe_interval)
-            elif length:
+                self._arrival_probe_after = state.probe_after
+            elif merit:
+                # Drafting on its estimates (not warm-up or exploration).
                 state.probe_after = 0
+                self._arrival_probe_after = 0
         decoding_lengths = plan.draft_lengths[decoding]
         self.stats.chosen_lengths += np.bincount(
             decoding_lengths, minlength=self.num_speculative_tokens + 1
@@ -409,7 +421,8 @@ class GoodputController:
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)
         if state is None:
-            state = _RequestState(slot=self._free_slots.pop())
+            state = _RequestState(slot=self._free_slots.pop(),
+                                  probe_after=self._arrival_probe_after)
             self.acceptance.start(state.slot)
             self._requests[req_id] = state
         return state
