@@ -293,10 +293,11 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
 
     from benchmarks import batch
 
-    calls = []
+    calls, opened = [], []
 
     @contextlib.contextmanager
     def fake_engine(**kwargs):
+        opened.append(kwargs["model"])
         yield argparse.Namespace(collective_rpc=lambda *a, **k: [None], name=kwargs["model"])
 
     def fake_run(args, llm, engine_config, config, passages, length):
@@ -316,6 +317,7 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
     progress = argparse.Namespace(update=lambda n: None, set_postfix_str=lambda s: None)
     measurements, token_ids = batch.interleaved_engine_runs(
         args, engines, {64: [[1, 2, 3]]}, progress, rounds=3)
+    assert opened == ["target", "cmr"]
     assert calls == ["target", "cmr", "goodput", "cmr", "goodput", "target",
                      "target", "cmr", "goodput"]
     by_config = {m.config: m for m in measurements}
