@@ -200,6 +200,21 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
     return measurements, token_ids
 
 
+def all_engine_runs(args, engines: list[tuple[str, list[str], dict | None, Any]],
+                    prompts: dict[int, list[list[int]]], progress) -> tuple[list, dict]:
+    """The runs of ``engines`` (as :func:`interleaved_engine_runs` takes
+    them): turn by turn with ``--rounds``, else one engine after another."""
+    if args.rounds > 1:
+        return interleaved_engine_runs(args, engines, prompts, progress, args.rounds)
+    measurements, token_ids = [], {}
+    for engine_config, configs, spec_extend, engine_args in engines:
+        runs, ids = engine_runs(engine_args, engine_config, configs, prompts, progress,
+                                spec_extend)
+        measurements += runs
+        token_ids.update(ids)
+    return measurements, token_ids
+
+
 def _engine_kwargs(args, engine_config: str, spec_extend: dict | None) -> dict[str, Any]:
     return engine_kwargs(args, engine_config, spec_extend) | {
         "enable_prefix_caching": True,
@@ -282,21 +297,11 @@ def run_batch(args) -> dict[str, Any]:
     if "cmr_k_by_batch" in configs:
         engines.append(("cmr_k_by_batch", ["cmr_k_by_batch"]))
     total = len(configs) * len(args.lengths) * len(args.batch_sizes)
-    measurements: list[BatchMeasurement] = []
-    token_ids: dict = {}
     opened = [(engine_config, engine_configs,
                engine_spec_extend(args, engine_config, engine_configs), args)
               for engine_config, engine_configs in engines]
     with tqdm(total=total, desc="batched benchmark", unit="run") as progress:
-        if args.rounds > 1:
-            measurements, token_ids = interleaved_engine_runs(args, opened, prompts, progress,
-                                                              args.rounds)
-        else:
-            for engine_config, engine_configs, spec_extend, _ in opened:
-                runs, ids = engine_runs(args, engine_config, engine_configs, prompts, progress,
-                                        spec_extend)
-                measurements += runs
-                token_ids.update(ids)
+        measurements, token_ids = all_engine_runs(args, opened, prompts, progress)
     mark_same_as_target(measurements, token_ids)
     return {
         "machine": machine_info(),

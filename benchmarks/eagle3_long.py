@@ -36,9 +36,8 @@ from typing import Any
 from benchmarks.batch import (
     PASSAGE_STRIDE,
     BatchMeasurement,
-    engine_runs,
+    all_engine_runs,
     engine_spec_extend,
-    interleaved_engine_runs,
     mark_same_as_target,
     paused_percent,
     rounds_cell,
@@ -130,23 +129,13 @@ def run_eagle3(args) -> dict[str, Any]:
         engines.append(("target", ["target"], head))
     engines += [(c, [c], variants[c]) for c in STOCK_VARIANTS if c in configs]
     total = len(configs) * len(points)
-    measurements: list[BatchMeasurement] = []
-    token_ids: dict = {}
     opened = [(engine_config, engine_configs,
                engine_spec_extend(args, engine_config, engine_configs)
                if engine_config == "cmr" else None,
                argparse.Namespace(**{**vars(args), "draft": str(draft)}))
               for engine_config, engine_configs, draft in engines]
     with tqdm(total=total, desc="eagle3 benchmark", unit="run") as progress:
-        if args.rounds > 1:
-            measurements, token_ids = interleaved_engine_runs(args, opened, prompts, progress,
-                                                              args.rounds)
-        else:
-            for engine_config, engine_configs, spec_extend, engine_args in opened:
-                runs, ids = engine_runs(engine_args, engine_config, engine_configs, prompts,
-                                        progress, spec_extend)
-                measurements += runs
-                token_ids.update(ids)
+        measurements, token_ids = all_engine_runs(args, opened, prompts, progress)
     mark_same_as_target(measurements, token_ids)
     head_report = head / "eagle_head.json"
     return {

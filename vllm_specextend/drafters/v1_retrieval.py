@@ -151,12 +151,12 @@ class V1Retrieval:
         num_tokens = int(query_lens.sum())
         token_ids = kwargs["target_token_ids"][:num_tokens]
         positions = kwargs["target_positions"][:num_tokens]
+        gap_positions = torch.from_numpy(layout.gap_positions).to(device, non_blocking=True)
         kwargs = dict(kwargs)
         kwargs["target_token_ids"] = torch.cat((
             token_ids, torch.from_numpy(gap_ids).to(device, token_ids.dtype)))[order]
         kwargs["target_positions"] = torch.cat((
-            positions,
-            torch.from_numpy(layout.gap_positions).to(device, positions.dtype)))[order]
+            positions, gap_positions.to(positions.dtype)))[order]
         new_query_start = layout.query_start_loc
         cad = kwargs["common_attn_metadata"]
         # Rows vLLM pads the batch with keep an empty query.
@@ -166,8 +166,7 @@ class V1Retrieval:
         slot_mapping = cad.slot_mapping[:num_tokens]
         gap_slots = gap_slot_mapping(
             cad.block_table_tensor, torch.from_numpy(layout.gap_rows).to(device, non_blocking=True),
-            torch.from_numpy(layout.gap_positions).to(device, non_blocking=True),
-            self.retrieval.block_size)
+            gap_positions, self.retrieval.block_size)
         kwargs["common_attn_metadata"] = cad.replace(
             query_start_loc=query_start_cpu.to(device, non_blocking=True),
             query_start_loc_cpu=query_start_cpu,
