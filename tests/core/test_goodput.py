@@ -20,7 +20,8 @@ def fitted(weights: dict[str, float]) -> StepCostModel:
     ``draft_forwards``: seconds per draft step, linear in ``D``)."""
     model = StepCostModel(K)
     per_forward = weights.get("draft_forwards", 0.0)
-    model.weights = np.array([weights.get("step", 0.0), weights.get("verified_tokens", 0.0)]
+    model.weights = np.array([weights.get(name, 0.0)
+                              for name in ("step", "verified_tokens", "catch_up_tokens")]
                              + [d * per_forward for d in range(1, K + 1)])
     model.observations = 100
     return model
@@ -29,16 +30,18 @@ def fitted(weights: dict[str, float]) -> StepCostModel:
 def test_the_cost_model_learns_a_step_cost_per_number_of_draft_steps():
     # Not linear in D (as measured on a CPU at batch 1): one draft step costs
     # more than two.
-    truth = np.array([0.050, 0.004, 0.080, 0.030, 0.090])
+    # A token caught up after a pause costs 3 ms.
+    truth = np.array([0.050, 0.004, 0.003, 0.080, 0.030, 0.090])
     model = StepCostModel(K, forgetting=1.0)
     rng = np.random.default_rng(0)
     for _ in range(200):
         requests = int(rng.integers(1, 16))
         drafts = int(rng.integers(0, K + 1))
+        catch_up = int(rng.integers(0, 64)) if drafts and rng.random() < 0.2 else 0
         features = step_features(requests + int(rng.integers(0, requests * drafts + 1)), drafts,
-                                 K)
+                                 K, catch_up)
         model.observe(features, float(features @ truth))
-    for probe in (step_features(20, 2, K), step_features(3, 1, K), step_features(5, 0, K)):
+    for probe in (step_features(20, 2, K), step_features(3, 1, K, 40), step_features(5, 0, K)):
         assert model.predict(probe) == pytest.approx(probe @ truth, rel=5e-3)
     assert model.weights == pytest.approx(truth, rel=0.05)
 
@@ -106,37 +109,52 @@ class SimulatedEngine:
     would show them to the controller."""
 
     def __init__(self, controller, acceptance, step=0.05, per_token=0.005, draft_step=0.01,
-                 step_seconds=None):
+                 step_seconds=None, catch_up=0.0):
         """``step_seconds``: seconds of a step by its number of draft steps
-        (instead of the linear costs)."""
+        (instead of the linear costs); ``catch_up``: seconds per token a
+        draft forward catches up (tokens verified while it paused)."""
         self.controller = controller
         self.step_seconds = step_seconds
         self.acceptance = dict(acceptance)  # request -> acceptance per position
         self.context = {r: 1000 for r in acceptance}
         self.query = {r: 1 for r in acceptance}
-        self.costs = (step, per_token, draft_step)
+        self.gap = {r: 0 for r in acceptance}
+        self.costs = (step, per_token, draft_step, catch_up)
         self.now = 0.0
         self.draft_forwards = 0
+        self.caught_up = 0
         self.history = []
 
     def step(self):
         req_ids = list(self.acceptance)
         context = np.array([self.context[r] for r in req_ids])
         query = np.array([self.query[r] for r in req_ids])
-        step, per_token, draft_step = self.costs
+        step, per_token, draft_step, catch_up = self.costs
         if self.step_seconds is not None:
             self.now += self.step_seconds[self.draft_forwards]
         else:
             self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
+        self.now += catch_up * self.caught_up
         plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now)
         self.draft_forwards = plan.draft_steps  # a step with no drafts skips the forward
         self.controller.record_forwards(plan.draft_steps)
-        for r, drafts in zip(req_ids, plan.draft_lengths):
+        limits = plan.catch_up_limits
+        self.caught_up = 0
+        for row, (r, drafts) in enumerate(zip(req_ids, plan.draft_lengths)):
+            self.gap.setdefault(r, 0)
+            if plan.draft_steps:
+                limit = self.gap[r] if limits is None else int(limits[row])
+                self.caught_up += min(self.gap[r], limit)
+                if limit >= self.gap[r]:
+                    self.gap[r] = -1  # this step's token is written too
             # This step verifies the drafts of the previous plan.
             verified = self.query[r] - 1
             accepted = verified if self.acceptance[r] >= 0.5 else 0
             self.context[r] += 1 + accepted
+            self.gap[r] += 1 + accepted
             self.query[r] = 1 + int(drafts)
+        if self.caught_up:
+            self.controller.record_catch_up(self.caught_up)
         self.history.append(dict(zip(req_ids, plan.draft_lengths.tolist())))
         return plan
 
@@ -173,7 +191,8 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
         engine.step()
     assert sum(h["r"] == 0 for h in engine.history[10:]) >= 40
     engine.acceptance["r"] = 1.0
-    for _ in range(60):
+    # A probe costs a step more than a pause: the 2% budget probes every ~54.
+    for _ in range(150):
         engine.step()
     steady = engine.history[-30:]
     assert sum(h["r"] == 2 for h in steady) >= len(steady) - 2
@@ -201,7 +220,7 @@ def test_requests_arriving_after_failed_probes_start_with_their_back_off():
     engine.acceptance["c"] = engine.acceptance["d"] = 1.0
     for _ in range(200):
         engine.step()
-    assert engine.history[-1] == {"c": K, "d": K}
+    assert engine.history[-1]["c"] and engine.history[-1]["d"]
     controller.finish(["d"])
     del engine.acceptance["d"]
     engine.acceptance["e"] = 0.0
@@ -209,6 +228,44 @@ def test_requests_arriving_after_failed_probes_start_with_their_back_off():
     for _ in range(8):
         engine.step()
     assert any(h["e"] for h in engine.history[-8:])
+
+
+def test_probes_and_their_catch_up_cost_at_most_the_probe_budget():
+    # A token caught up costs a quarter of a request's share of a step (as a
+    # 0.5B draft's against a 1.5B target's decode at batch 4 on a CPU): a
+    # probe catching up all of a pause would cost a quarter of its length.
+    paused_step = 0.05 + 4 * 0.005
+
+    def run(probe_budget, steps=600):
+        controller = GoodputController(max_requests=4, num_speculative_tokens=K,
+                                       free_pause=True, probe_budget=probe_budget)
+        engine = SimulatedEngine(controller, {r: 0.0 for r in "abcd"}, catch_up=0.0045)
+        for _ in range(100):
+            engine.step()
+        start, probes = engine.now, controller.stats.probes
+        forced = []
+        for _ in range(steps):
+            engine.step()
+            if engine.draft_forwards:
+                forced.append(engine.caught_up)
+        overhead = (engine.now - start) / (steps * paused_step) - 1
+        return overhead, controller.stats.probes - probes, forced, engine
+
+    overhead, probes, forced, engine = run(0.02)
+    assert probes > 0 and forced
+    assert overhead <= 0.03
+    # Each catches up a few recent tokens of gaps of 100+.
+    assert max(forced) <= 4 * 16
+    # Without a budget, probes catch up every paused token: 4 times the cost.
+    overhead_unbudgeted, *_ = run(1.0)
+    assert overhead_unbudgeted > 4 * overhead
+    # The drafts start agreeing: a probe sees it, the requests resume (and
+    # then catch up in full).
+    engine.acceptance = {r: 1.0 for r in "abcd"}
+    for _ in range(400):
+        engine.step()
+    assert engine.history[-1] == {r: K for r in "abcd"}
+    assert all(gap <= K + 1 for gap in engine.gap.values())
 
 
 def test_drafting_stops_when_it_does_not_pay_for_anybody():

@@ -142,9 +142,12 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
     # Blind: paused but for warm-up, exploration and probes.
     assert blind_run["paused_request_steps"] > 3 * blind_run["drafted_request_steps"]
     assert blind_run["skipped_draft_forwards"] > 0 and blind_run["probes"] > 0
-    # Seeing: a probe finds the drafts right and the requests draft again.
+    # Seeing: a probe or an exploration (each when its budget, 2% of the
+    # paused time, covers it) finds the drafts right and the requests draft
+    # again, at full K.
     assert seeing_run["drafted_request_steps"] > seeing_run["paused_request_steps"]
-    assert seeing_run["chosen_draft_lengths"][K] > seeing_run["chosen_draft_lengths"][0]
+    lengths = seeing_run["chosen_draft_lengths"]
+    assert lengths[K] > sum(lengths[1:K])
 
 
 @pytest.mark.parametrize("draft_window", [None, 1024], ids=["cmr", "compact"])

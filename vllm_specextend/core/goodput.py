@@ -25,7 +25,7 @@ vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,23 +38,29 @@ PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 def cost_features(max_draft_steps: int) -> tuple[str, ...]:
     """What one engine step costs, linearly: a base (the batch's target
     forward, which grows with its context and requests; the exponential
-    forgetting tracks it), each token verified beyond it, and the draft phase
-    as one cost per number of draft steps ``D`` (one-hot). A table rather
+    forgetting tracks it), each token verified beyond it, each token the
+    draft catches up after a pause, and the draft phase as one cost per
+    number of draft steps ``D`` (one-hot). A table rather
     than a cost per forward: on CPUs the target's step is not linear in its
     tokens at small batch (measured on the Qwen pair, bf16: verifying 2
     tokens cost 0.154 s, 3 tokens 0.113 s, 1 token 0.121 s), and at batch 1
     the tokens and ``D`` move together, so only a cost per ``D`` can tell
     which ``D`` pays."""
-    return ("step", "verified_tokens") + tuple(f"draft_steps_{d}"
-                                               for d in range(1, max_draft_steps + 1))
+    return ("step", "verified_tokens", "catch_up_tokens") + tuple(
+        f"draft_steps_{d}" for d in range(1, max_draft_steps + 1))
 
 
-def step_features(verified_tokens: int, draft_steps: int, max_draft_steps: int) -> np.ndarray:
+NUM_LINEAR_FEATURES = 3
+"""The features before the one-hot draft steps (clipped at zero when fitted)."""
+
+
+def step_features(verified_tokens: int, draft_steps: int, max_draft_steps: int,
+                  catch_up_tokens: int = 0) -> np.ndarray:
     """The cost features of one step (see :func:`cost_features`)."""
-    features = np.zeros(2 + max_draft_steps, dtype=np.float64)
-    features[0], features[1] = 1.0, verified_tokens
+    features = np.zeros(NUM_LINEAR_FEATURES + max_draft_steps, dtype=np.float64)
+    features[:NUM_LINEAR_FEATURES] = 1.0, verified_tokens, catch_up_tokens
     if draft_steps:
-        features[1 + min(draft_steps, max_draft_steps)] = 1.0
+        features[NUM_LINEAR_FEATURES - 1 + min(draft_steps, max_draft_steps)] = 1.0
     return features
 
 
@@ -65,7 +71,7 @@ class StepCostModel:
     ridge term keeps unidentified weights at zero until the data tells them
     apart: a number of draft steps never seen costs nothing beyond its
     tokens, so the controller tries it when acceptance says it would pay, and
-    learns). The base and the per-token cost are clipped at zero; the cost of
+    learns). The base and the per-token costs are clipped at zero; the cost of
     ``D`` draft steps is not, since it corrects the per-token cost at small
     batch, where the two move together (a 3-token step can cost less than a
     2-token one).
@@ -90,7 +96,7 @@ class StepCostModel:
         scale = max(float(np.trace(self._gram)), 1.0)
         regularised = self._gram + self.ridge * scale * np.eye(len(features))
         weights = np.linalg.solve(regularised, self._moment)
-        weights[:2] = np.maximum(weights[:2], 0.0)
+        weights[:NUM_LINEAR_FEATURES] = np.maximum(weights[:NUM_LINEAR_FEATURES], 0.0)
         self.weights = weights
 
     def predict(self, features: np.ndarray) -> np.ndarray | float:
@@ -153,6 +159,11 @@ class DraftPlan:
     """Draft forwards this step runs: the longest ``draft_lengths``."""
     expected_goodput: float
     """Tokens per second the plan is expected to reach (0 if unknown)."""
+    catch_up_limits: np.ndarray | None = None
+    """``[rows]``: most tokens of its gap (verified while its draft paused)
+    each row catches up this step; None: all. A row left short keeps its
+    frontier and reads the rest as holes (stale draft KV; the target's
+    output does not change) until it drafts on its estimates."""
 
 
 def choose_draft_lengths(
@@ -240,6 +251,14 @@ PROBE_INTERVAL = 16
 """Paused plans before a paused request's first probe."""
 MAX_PROBE_BACKOFF = 8
 """A failing request is probed at most every 8 x ``probe_interval`` plans."""
+PROBE_BUDGET = 0.02
+"""Share of a paused request's time (its share of the steps it paused in)
+that its next probe may cost: so probes and explorations cost at most about
+2% of the engine's time, whatever a catch-up costs on this machine."""
+MIN_PROBE_CATCH_UP = 8
+"""Recent tokens a probe catches up at least (a probe waits until its budget
+covers them)."""
+UNLIMITED = np.iinfo(np.int64).max
 
 
 @dataclass
@@ -298,12 +317,14 @@ class GoodputController:
         probe_interval: int = PROBE_INTERVAL,
         explore_interval: int = 64,
         hysteresis: float = 0.1,
+        probe_budget: float = PROBE_BUDGET,
     ) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.free_pause = free_pause
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.hysteresis = hysteresis
+        self.probe_budget = probe_budget
         self.cost = StepCostModel(num_speculative_tokens)
         self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
@@ -316,8 +337,10 @@ class GoodputController:
         self._last_time: float | None = None
         self._last_prefilling = True
         self._last_draft_forwards = 0
+        self._last_catch_up_tokens = 0
         self._plans = 0
         self._explorations = 0
+        self._since_exploration = 0
 
     # ---- per step --------------------------------------------------------
 
@@ -346,18 +369,20 @@ class GoodputController:
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         decoding = seq_lens >= prompt_lens
         drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
-        probing = decoding & np.array(
+        other_tokens = int(np.where(decoding, 0, query_lens).sum())
+        budgets = self._probe_budgets(states, num_requests, other_tokens)
+        probing = decoding & self._affordable(budgets, 1, num_requests) & np.array(
             [s.paused_steps >= (s.probe_after or self.probe_interval) for s in states],
             dtype=bool,
         )
         survival = np.where(decoding[:, None], self.acceptance.survival(slots), 0.0)
         plan = choose_draft_lengths(
-            survival, drafting, self.cost, num_requests,
-            other_tokens=int(np.where(decoding, 0, query_lens).sum()),
+            survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
         )
         chosen = plan.draft_lengths
-        plan = self._explore(plan, decoding)
+        plan = self._explore(plan, decoding, budgets, num_requests)
+        plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests)
         for state, length, probe, decodes, merit in zip(states, plan.draft_lengths, probing,
                                                          decoding, chosen):
             state.drafted = int(length)
@@ -392,7 +417,12 @@ class GoodputController:
         """The draft forwards this step ran after the plan (0: skipped; one
         first pass when rows prefill or the drafter cannot skip)."""
         self._last_draft_forwards = draft_forwards
+        self._last_catch_up_tokens = 0
         self.stats.skipped_draft_forwards += draft_forwards == 0
+
+    def record_catch_up(self, tokens: int) -> None:
+        """The tokens this step's first pass caught up (after the plan)."""
+        self._last_catch_up_tokens = tokens
 
     def finish(self, req_ids) -> None:
         """Forget requests that left the batch (finished or aborted)."""
@@ -432,8 +462,10 @@ class GoodputController:
         if last is None:
             return
         seconds = now - last
-        features = step_features(verified, self._last_draft_forwards, self.num_speculative_tokens)
-        if self.cost.observations >= 8:
+        features = step_features(verified, self._last_draft_forwards, self.num_speculative_tokens,
+                                 self._last_catch_up_tokens)
+        if self.cost.observations >= 8 and not self._last_catch_up_tokens:
+            # (A catch-up's cost is what the model has yet to learn.)
             predicted = float(self.cost.predict(features))
             if predicted > 0 and seconds > 4 * predicted:
                 return  # an idle engine or a stall, not a step's cost
@@ -462,23 +494,78 @@ class GoodputController:
             state.verified_drafts = int(query_len) - 1 if decodes else 0
             state.verified_probe = state.probed
 
-    def _explore(self, plan: DraftPlan, decoding: np.ndarray) -> DraftPlan:
+    def _probe_budgets(self, states, num_requests: int, other_tokens: int) -> np.ndarray:
+        """``[rows]``: seconds each request's next forced drafts (a probe, an
+        exploration) may cost: ``probe_budget`` of its share of the steps it
+        paused in since it last drafted."""
+        paused_step = float(self.cost.predict(step_features(
+            num_requests + other_tokens, 0, self.num_speculative_tokens)))
+        paused_steps = np.array([s.paused_steps for s in states], dtype=np.float64)
+        return self.probe_budget * max(paused_step, 0.0) / num_requests * paused_steps
+
+    def _forced_draft_seconds(self, draft_lengths: np.ndarray | int,
+                              num_requests: int) -> np.ndarray:
+        """What a row's forced drafts add to a step, catch-up aside: their
+        verification and the row's share of the draft forwards."""
+        weights = self.cost.weights
+        forwards = np.maximum(np.concatenate(([0.0], weights[NUM_LINEAR_FEATURES:])), 0.0)
+        return draft_lengths * weights[1] + forwards[draft_lengths] / num_requests
+
+    def _affordable(self, budgets: np.ndarray, draft_steps: int,
+                    num_requests: int) -> np.ndarray:
+        """``[rows]``: the budget covers ``draft_steps`` forced drafts and
+        the least catch-up."""
+        per_catch_up = self.cost.weights[2]
+        return budgets >= (self._forced_draft_seconds(draft_steps, num_requests)
+                           + per_catch_up * MIN_PROBE_CATCH_UP)
+
+    def _limit_catch_up(self, plan: DraftPlan, forced: np.ndarray, budgets: np.ndarray,
+                        num_requests: int) -> DraftPlan:
+        """Catch-up limits: a row drafting on its estimates catches up all of
+        its gap, a paused row none, a row drafting by force (probe, warm-up,
+        exploration) what its budget buys beyond its drafts."""
+        lengths = plan.draft_lengths
+        limits = np.where(lengths > 0, UNLIMITED, 0)
+        forced = forced & (lengths > 0)
+        per_catch_up = self.cost.weights[2]
+        if forced.any() and per_catch_up > 0:
+            left = budgets - self._forced_draft_seconds(lengths, num_requests)
+            affordable = np.floor(np.maximum(left, 0.0) / per_catch_up)
+            allowance = np.maximum(np.minimum(affordable, UNLIMITED // 2).astype(np.int64),
+                                   MIN_PROBE_CATCH_UP)
+            limits = np.where(forced, allowance, limits)
+        return replace(plan, catch_up_limits=limits)
+
+    def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
+                 num_requests: int) -> DraftPlan:
         """Warm-up: two plans at full K, then two with no drafts; after that,
-        every ``explore_interval`` plans, one of the other kind (none
-        drafting, or every row drafting D, D cycling through 1..K). The cost
-        model then keeps seeing every number of draft steps."""
+        every ``explore_interval`` plans, one that departs from the choice:
+        none drafting when some do (every other time, when some do), or every
+        row drafting D, D cycling through 1..K. The cost model then keeps
+        seeing every number of draft steps. Rows not drafting on their
+        estimates join an exploring draft only when their probe budget
+        covers it (it waits for one that does)."""
         if not decoding.any():
             return plan
         kind = WARM_UP_PLANS.get(self._plans)
         if kind is None:
-            if (self._plans + 1) % self.explore_interval:
+            self._since_exploration += 1
+            if self._since_exploration < self.explore_interval:
                 return plan
-            kind = "draft" if plan.draft_steps == 0 else "pause"
+            pause = plan.draft_steps > 0 and self._explorations % 2 == 0
+            kind = "pause" if pause else "draft"
         if kind == "warm-up":
             lengths = np.where(decoding, self.num_speculative_tokens, 0)
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
-        if kind == "draft":
-            self._explorations += 1
-            steps = 1 + (self._explorations - 1) % self.num_speculative_tokens
-            return DraftPlan(np.where(decoding, steps, 0), steps, plan.expected_goodput)
-        return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
+        self._explorations += 1
+        if kind == "pause":
+            self._since_exploration = 0
+            return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
+        steps = 1 + (self._explorations // 2) % self.num_speculative_tokens
+        rows = decoding & ((plan.draft_lengths > 0)
+                           | self._affordable(budgets, steps, num_requests))
+        if not rows.any():
+            self._explorations -= 1
+            return plan  # until a budget covers it
+        self._since_exploration = 0
+        return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)

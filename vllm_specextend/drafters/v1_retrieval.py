@@ -107,9 +107,11 @@ class V1Retrieval:
             plan, runs = control.plan(batch.req_ids, batch.context_lens_cpu,
                                       batch.query_lens_cpu, batch.prompt_lens_cpu)
             num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
+            # Kept every step: a request may catch up later what a forward
+            # that ran left behind it (paused, or probing a part of its gap).
+            self._keep_hidden_states(kwargs, batch)
             if not runs:
                 # Nobody drafts: no forward, no retrieval (caught up later).
-                self._keep_hidden_states(kwargs, batch)
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
         self._draft_view = self.retrieval.plan(batch)
@@ -122,7 +124,7 @@ class V1Retrieval:
             self._position_shift.zero_()
 
     def _keep_hidden_states(self, kwargs: dict, batch: PlanningBatch) -> None:
-        """A skipped step's target hidden states, for the head's catch-up."""
+        """This step's target hidden states, for the head's catch-up."""
         paused_hidden = self.retrieval.paused_hidden
         if paused_hidden is None:
             return

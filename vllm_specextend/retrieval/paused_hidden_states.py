@@ -1,14 +1,15 @@
-"""The target's hidden states of steps whose EAGLE-head forward was skipped.
+"""The target's recent hidden states, for an EAGLE head's catch-up.
 
 A head's first pass takes, per token, the target's hidden state there and the
 next token. When goodput control skips the head's forward (nobody drafts),
-the hidden states the target just computed would be lost; this keeps the
-last ``capacity`` positions of each request (a ring per request slot), so
-the next forward catches the request up as a draft model's does, from token
-ids and these. Allocated at model load, before vLLM measures free memory:
+or runs it without catching a request up (paused, or a probe catching up
+part of its gap), the hidden states the target just computed would be lost;
+this keeps, every step, the last ``capacity`` positions of each request (a
+ring per request slot), so a later forward catches the request up as a draft
+model's does, from token ids and these. Allocated at model load, before vLLM measures free memory:
 ``max_requests x capacity x width`` in the target's dtype.
 
-Every token of a skipped step is written at its position, rejected drafts
+Every token of a step is written at its position, rejected drafts
 too: a position is written again when it is verified again, so what a
 position holds when it is caught up is its verified token's hidden state.
 """
@@ -31,7 +32,7 @@ class PausedHiddenStates:
 
     def record(self, token_slots: np.ndarray, positions: torch.Tensor,
                hidden_states: torch.Tensor) -> None:
-        """Keep ``hidden_states[i]`` (a skipped step's flat query tokens) for
+        """Keep ``hidden_states[i]`` (a step's flat query tokens) for
         request slot ``token_slots[i]`` at ``positions[i]``."""
         num_tokens = len(token_slots)
         slots = torch.from_numpy(token_slots).to(positions.device, non_blocking=True)

@@ -10,6 +10,12 @@ KV; each request's frontier says from where, and the next forward prepends
 them to the request's query (``catch_up_starts``), up to the drafter's token
 budget and, for a head, the positions kept (older ones stay holes: the draft
 reads stale KV there, the target's output does not change).
+
+A request catches up all of its gap only when it drafts on its acceptance
+estimates. A probe catches up the recent tokens its budget buys (the plan's
+``catch_up_limits``) and a paused request in a forward that runs for others
+none; both keep their frontier, so drafting on estimates later catches up the
+rest.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class SpeculationControl:
         self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause)
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
+        self._catch_up_limits: dict[str, int] | None = None
         self.catch_up_tokens = 0
         self.trace: list[dict[str, object]] | None = None
         """Set to a list to record every plan and the clock at it (benchmarks:
@@ -71,6 +78,8 @@ class SpeculationControl:
         now = self.clock()
         plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
+        self._catch_up_limits = (None if plan.catch_up_limits is None
+                                 else dict(zip(req_ids, plan.catch_up_limits.tolist())))
         for req_id, context_len in zip(req_ids, context_lens.tolist()):
             frontier = self._frontier.get(req_id)
             if req_id in self._synced:
@@ -92,19 +101,27 @@ class SpeculationControl:
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
                         budget: int) -> np.ndarray | None:
-        """Per row, the first position the forward must process (its draft KV
-        frontier), or None when nothing lags. At most ``budget`` tokens in all:
-        a lagging row keeps its most recent ones."""
+        """Per row, the first position the forward must process, or None when
+        nothing is caught up: from its draft KV frontier, or its most recent
+        tokens within the plan's limit (the row then stays behind its
+        frontier) and, for all rows together, ``budget`` tokens (beyond it,
+        and beyond a head's kept positions, holes stay holes)."""
         starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
         gaps = np.maximum(context_lens - starts, 0)
-        if not gaps.any():
-            return None
         if self.max_catch_up is not None:
             gaps = np.minimum(gaps, self.max_catch_up)
+        if self._catch_up_limits is not None:
+            limits = np.array([self._catch_up_limits[r] for r in req_ids], dtype=np.int64)
+            behind = limits < gaps
+            self._synced.difference_update(r for r, b in zip(req_ids, behind) if b)
+            gaps = np.minimum(gaps, limits)
+        if not gaps.any():
+            return None
         total = int(gaps.sum())
         if total > budget:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
         self.catch_up_tokens += int(gaps.sum())
+        self.controller.record_catch_up(int(gaps.sum()))
         return context_lens - gaps
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
