@@ -72,6 +72,8 @@ class BatchMeasurement:
     paired_vs_target: float | None = None
     """Interleaved rounds: the median over rounds of this run's speed over the
     target alone's in the same round (the run beside it: drift cancels)."""
+    round_drafted_steps: list[int] | None = None
+    """Interleaved rounds of ``goodput``: request-steps drafted in each round."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -191,6 +193,9 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                     m, ids = sorted(config_runs, key=lambda run: run[0].output_tok_s)[
                         len(config_runs) // 2]
                     m.round_tok_s = [run[0].output_tok_s for run in config_runs]
+                    if m.control is not None:
+                        m.round_drafted_steps = [run[0].control["drafted_request_steps"]
+                                                 for run in config_runs]
                     if target_rounds:
                         m.paired_vs_target = float(np.median(
                             np.array(m.round_tok_s) / np.array(target_rounds)))

@@ -304,8 +304,9 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
         calls.append(config)
         # A host slowing down run by run: a drift the turns share out.
         speed = 100.0 - len(calls)
+        control = {"drafted_request_steps": len(calls)} if config == "goodput" else None
         return batch.BatchMeasurement(config, len(passages), length, 8, 4, 1.0, speed, None, 0,
-                                      None, None, None, None), [[len(calls)]]
+                                      None, None, None, None, control=control), [[len(calls)]]
 
     monkeypatch.setattr(batch, "started_engine", fake_engine)
     monkeypatch.setattr(batch, "_engine_kwargs", lambda args, config, spec: {"model": config})
@@ -327,6 +328,8 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
     assert by_config["goodput"].round_tok_s == [97.0, 95.0, 91.0]
     # Against the target round by round: 97/99, 95/94, 91/93.
     assert by_config["goodput"].paired_vs_target == pytest.approx(97 / 99)
+    assert by_config["goodput"].round_drafted_steps == [3, 5, 9]
+    assert by_config["target"].round_drafted_steps is None
     with pytest.raises(SystemExit, match="at most one drafting engine"):
         batch.interleaved_engine_runs(args, engines + [("eagle3_full", ["eagle3_full"], None,
                                                         args)], {64: [[1]]}, progress, 2)

@@ -203,7 +203,9 @@ def test_requests_arriving_after_failed_probes_start_with_their_back_off():
     controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
                                    probe_interval=8, explore_interval=10_000)
     engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0})
-    for _ in range(100):
+    # (The first probe waits for its budget: a caught-up token is priced as
+    # a verified one until a catch-up is timed.)
+    for _ in range(300):
         engine.step()
     assert controller.stats.probes > 0
     # The next requests: probed no sooner than the last failed probe's
@@ -240,11 +242,10 @@ def test_probes_and_their_catch_up_cost_at_most_the_probe_budget():
         controller = GoodputController(max_requests=4, num_speculative_tokens=K,
                                        free_pause=True, probe_budget=probe_budget)
         engine = SimulatedEngine(controller, {r: 0.0 for r in "abcd"}, catch_up=0.0045)
-        for _ in range(100):
-            engine.step()
-        start, probes = engine.now, controller.stats.probes
-        forced = []
-        for _ in range(steps):
+        forced = []  # tokens caught up by each step that drafts
+        for step in range(100 + steps):
+            if step == 100:
+                start, probes = engine.now, controller.stats.probes
             engine.step()
             if engine.draft_forwards:
                 forced.append(engine.caught_up)
@@ -254,7 +255,8 @@ def test_probes_and_their_catch_up_cost_at_most_the_probe_budget():
     overhead, probes, forced, engine = run(0.02)
     assert probes > 0 and forced
     assert overhead <= 0.03
-    # Each catches up a few recent tokens of gaps of 100+.
+    # Each catches up a few recent tokens of gaps of 100+, the first ones too
+    # (before a catch-up is timed, a token is priced as a verified one).
     assert max(forced) <= 4 * 16
     # Without a budget, probes catch up every paused token: 4 times the cost.
     overhead_unbudgeted, *_ = run(1.0)

@@ -338,6 +338,7 @@ class GoodputController:
         self._last_prefilling = True
         self._last_draft_forwards = 0
         self._last_catch_up_tokens = 0
+        self._catch_up_timed = False
         self._plans = 0
         self._explorations = 0
         self._since_exploration = 0
@@ -470,6 +471,7 @@ class GoodputController:
             if predicted > 0 and seconds > 4 * predicted:
                 return  # an idle engine or a stall, not a step's cost
         self.cost.observe(features, seconds)
+        self._catch_up_timed |= self._last_catch_up_tokens > 0
 
     def _observe_acceptance(self, states, context_lens, query_lens, prompt_lens) -> None:
         """The previous step verified ``verified_drafts`` drafts of each
@@ -511,11 +513,17 @@ class GoodputController:
         forwards = np.maximum(np.concatenate(([0.0], weights[NUM_LINEAR_FEATURES:])), 0.0)
         return draft_lengths * weights[1] + forwards[draft_lengths] / num_requests
 
+    def _catch_up_seconds(self) -> float:
+        """Seconds per caught-up token: learnt once a catch-up was timed;
+        before, a verified token's (a draft's token costs no more than the
+        target's), so the engine's first probes do not catch up unpriced."""
+        return float(self.cost.weights[2 if self._catch_up_timed else 1])
+
     def _affordable(self, budgets: np.ndarray, draft_steps: int,
                     num_requests: int) -> np.ndarray:
         """``[rows]``: the budget covers ``draft_steps`` forced drafts and
         the least catch-up."""
-        per_catch_up = self.cost.weights[2]
+        per_catch_up = self._catch_up_seconds()
         return budgets >= (self._forced_draft_seconds(draft_steps, num_requests)
                            + per_catch_up * MIN_PROBE_CATCH_UP)
 
@@ -527,7 +535,7 @@ class GoodputController:
         lengths = plan.draft_lengths
         limits = np.where(lengths > 0, UNLIMITED, 0)
         forced = forced & (lengths > 0)
-        per_catch_up = self.cost.weights[2]
+        per_catch_up = self._catch_up_seconds()
         if forced.any() and per_catch_up > 0:
             left = budgets - self._forced_draft_seconds(lengths, num_requests)
             affordable = np.floor(np.maximum(left, 0.0) / per_catch_up)
@@ -557,15 +565,16 @@ class GoodputController:
         if kind == "warm-up":
             lengths = np.where(decoding, self.num_speculative_tokens, 0)
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
-        self._explorations += 1
-        if kind == "pause":
+        if kind == "draft":
+            steps = 1 + (self._explorations // 2) % self.num_speculative_tokens
+            rows = decoding & ((plan.draft_lengths > 0)
+                               | self._affordable(budgets, steps, num_requests))
+            if not rows.any():
+                return plan  # until a budget covers it
+            plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
+        else:
+            plan = DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
+        if self._plans not in WARM_UP_PLANS:
+            self._explorations += 1
             self._since_exploration = 0
-            return DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
-        steps = 1 + (self._explorations // 2) % self.num_speculative_tokens
-        rows = decoding & ((plan.draft_lengths > 0)
-                           | self._affordable(budgets, steps, num_requests))
-        if not rows.any():
-            self._explorations -= 1
-            return plan  # until a budget covers it
-        self._since_exploration = 0
-        return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
+        return plan
