@@ -548,11 +548,11 @@ class GoodputController:
                  num_requests: int) -> DraftPlan:
         """Warm-up: two plans at full K, then two with no drafts; after that,
         every ``explore_interval`` plans, one that departs from the choice:
-        none drafting when some do (every other time, when some do), or every
-        row drafting D, D cycling through 1..K. The cost model then keeps
-        seeing every number of draft steps. Rows not drafting on their
-        estimates join an exploring draft only when their probe budget
-        covers it (it waits for one that does)."""
+        every row drafting D (D cycling through 1..K) or, while some rows
+        draft, every other time none. The cost model then keeps seeing every
+        number of draft steps. A row not drafting on its estimates joins an
+        exploring draft only when its probe budget covers it (the
+        exploration waits for one that does)."""
         if not decoding.any():
             return plan
         kind = WARM_UP_PLANS.get(self._plans)

@@ -6,8 +6,9 @@ or runs it without catching a request up (paused, or a probe catching up
 part of its gap), the hidden states the target just computed would be lost;
 this keeps, every step, the last ``capacity`` positions of each request (a
 ring per request slot), so a later forward catches the request up as a draft
-model's does, from token ids and these. Allocated at model load, before vLLM measures free memory:
-``max_requests x capacity x width`` in the target's dtype.
+model's does, from token ids and these. Allocated at model load, before vLLM
+measures free memory: ``max_requests x capacity x width`` in the target's
+dtype.
 
 Every token of a step is written at its position, rejected drafts
 too: a position is written again when it is verified again, so what a
