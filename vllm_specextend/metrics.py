@@ -37,6 +37,8 @@ _CONTROL_COUNTERS = {
     "drafted_request_steps": "Goodput control: request-steps with at least one draft.",
     "paused_request_steps": "Goodput control: request-steps without drafts (paused).",
     "probes": "Goodput control: drafts planned to re-measure a paused request.",
+    "explorations": "Goodput control: steps planned against its choice (every request "
+                    "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "
                               "draft's forward did not run.",
     "catch_up_tokens": "Goodput control: tokens the draft caught up after skipped forwards.",

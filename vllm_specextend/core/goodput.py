@@ -292,6 +292,9 @@ class ControlStats:
     drafted_request_steps: int = 0
     paused_request_steps: int = 0
     probes: int = 0
+    explorations: int = 0
+    """Plans after the warm-up that departed from the choice to keep the cost
+    model seeing every number of draft steps."""
     skipped_draft_forwards: int = 0
     """Steps where no request drafted and the draft's forward did not run."""
     chosen_lengths: np.ndarray | None = None
@@ -340,7 +343,6 @@ class GoodputController:
         self._last_catch_up_tokens = 0
         self._catch_up_timed = False
         self._plans = 0
-        self._explorations = 0
         self._since_exploration = 0
 
     # ---- per step --------------------------------------------------------
@@ -560,13 +562,13 @@ class GoodputController:
             self._since_exploration += 1
             if self._since_exploration < self.explore_interval:
                 return plan
-            pause = plan.draft_steps > 0 and self._explorations % 2 == 0
+            pause = plan.draft_steps > 0 and self.stats.explorations % 2 == 0
             kind = "pause" if pause else "draft"
         if kind == "warm-up":
             lengths = np.where(decoding, self.num_speculative_tokens, 0)
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
         if kind == "draft":
-            steps = 1 + (self._explorations // 2) % self.num_speculative_tokens
+            steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
             rows = decoding & ((plan.draft_lengths > 0)
                                | self._affordable(budgets, steps, num_requests))
             if not rows.any():
@@ -575,6 +577,6 @@ class GoodputController:
         else:
             plan = DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
         if self._plans not in WARM_UP_PLANS:
-            self._explorations += 1
+            self.stats.explorations += 1
             self._since_exploration = 0
         return plan

@@ -134,6 +134,7 @@ class SpeculationControl:
             "drafted_request_steps": stats.drafted_request_steps,
             "paused_request_steps": stats.paused_request_steps,
             "probes": stats.probes,
+            "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": self.catch_up_tokens,
             "chosen_draft_lengths": stats.chosen_lengths.tolist(),
