@@ -41,7 +41,7 @@ _CONTROL_COUNTERS = {
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "
                               "draft's forward did not run.",
-    "catch_up_tokens": "Goodput control: tokens the draft caught up after skipped forwards.",
+    "catch_up_tokens": "Goodput control: tokens the draft caught up after pauses.",
 }
 _HISTOGRAMS = {
     "request_kept_fraction": "Per finished request: kept tokens / context tokens.",

@@ -53,7 +53,7 @@ def test_only_requests_drafting_on_their_estimates_catch_up_all_of_their_gap():
     assert starts.tolist() == [122, 101]
     # Both caught up: nothing lags.
     assert scripted.step({"a": K, "b": K}, {"a": UNLIMITED, "b": UNLIMITED}) is None
-    assert scripted.control.catch_up_tokens == 19 + 4 + 21
+    assert scripted.control.controller.stats.catch_up_tokens == 19 + 4 + 21
 
 
 def test_a_plan_without_limits_catches_every_row_up():

@@ -6,7 +6,7 @@ meanwhile: request ``r``'s gap is positions ``starts[r] .. starts[r] + gaps[r]``
 Pure numpy on host lengths: the device only gathers with the result.
 
 An EAGLE head's first pass also takes the target's hidden state of every
-token: :func:`ring_rows` indexes the buffer that keeps them for skipped steps,
+token: :func:`ring_rows` indexes the buffer that keeps the recent ones,
 and :func:`gap_slot_mapping` gives the gap tokens their KV slots (a head
 writes through the target's slot mapping, which has none for them).
 """

@@ -297,6 +297,8 @@ class ControlStats:
     model seeing every number of draft steps."""
     skipped_draft_forwards: int = 0
     """Steps where no request drafted and the draft's forward did not run."""
+    catch_up_tokens: int = 0
+    """Tokens the draft caught up after forwards that skipped or left them."""
     chosen_lengths: np.ndarray | None = None
     """Histogram of the drafts chosen per request-step (index: K_r)."""
     request_paused_fraction: DeviceHistogram = field(
@@ -426,6 +428,7 @@ class GoodputController:
     def record_catch_up(self, tokens: int) -> None:
         """The tokens this step's first pass caught up (after the plan)."""
         self._last_catch_up_tokens = tokens
+        self.stats.catch_up_tokens += tokens
 
     def finish(self, req_ids) -> None:
         """Forget requests that left the batch (finished or aborted)."""

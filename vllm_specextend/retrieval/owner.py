@@ -99,7 +99,7 @@ class DraftRetrieval:
         self.kv_copy: DraftKVCopy | None = None
         self.max_num_reqs = max_num_reqs
         self.paused_hidden: PausedHiddenStates | None = None
-        """An EAGLE head's inputs from skipped steps (goodput control)."""
+        """An EAGLE head's recent inputs, for its catch-up (goodput control)."""
         self.control: SpeculationControl | None = None
         self._resting_control: SpeculationControl | None = None
         self._set_up_control(setup.config)
@@ -144,8 +144,8 @@ class DraftRetrieval:
 
     def keep_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """At model load, for a drafter fed the target's hidden states (an
-        EAGLE head) under goodput control: keep those of skipped steps, so
-        that a pause skips the head's forward too."""
+        EAGLE head) under goodput control: keep the recent ones, so that a
+        pause skips the head's forward too and a later forward catches up."""
         if not self.config.controls_speculation:
             return
         # A request paused longer is caught up from its last positions
@@ -155,7 +155,7 @@ class DraftRetrieval:
             self.max_num_reqs, capacity, width, dtype, self.device)
         logger.info(
             "SpecExtend: goodput control keeps the target's hidden states of the last %d "
-            "skipped positions per request for the head (%.1f MiB)", capacity,
+            "positions per request for the head (%.1f MiB)", capacity,
             self.paused_hidden.states.numel() * self.paused_hidden.states.element_size() / 2**20)
         self.control = None
         self._set_up_control(self.config)

@@ -56,7 +56,6 @@ class SpeculationControl:
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._catch_up_limits: dict[str, int] | None = None
-        self.catch_up_tokens = 0
         self.trace: list[dict[str, object]] | None = None
         """Set to a list to record every plan and the clock at it (benchmarks:
         K and step seconds over time)."""
@@ -120,7 +119,6 @@ class SpeculationControl:
         total = int(gaps.sum())
         if total > budget:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
-        self.catch_up_tokens += int(gaps.sum())
         self.controller.record_catch_up(int(gaps.sum()))
         return context_lens - gaps
 
@@ -136,7 +134,7 @@ class SpeculationControl:
             "probes": stats.probes,
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
-            "catch_up_tokens": self.catch_up_tokens,
+            "catch_up_tokens": stats.catch_up_tokens,
             "chosen_draft_lengths": stats.chosen_lengths.tolist(),
             "request_paused_fraction": stats.request_paused_fraction.as_dict(),
             "requests": self.controller.request_figures(),
