@@ -30,6 +30,7 @@ from benchmarks.report import args_record, config_color, fmt, pyplot, save_figur
 from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import (
     control_counts,
+    force_pause,
     install_timers,
     read_timers,
     reconfigure_drafter,
@@ -38,10 +39,13 @@ from benchmarks.worker_hooks import (
 )
 
 BATCH_CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
-                 "cmr_k_by_batch")
-RETRIEVAL_CONFIGS = ("cmr", "streaming", "goodput", "cmr_k_by_batch")
-SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming", "goodput")
+                 "always_paused", "cmr_k_by_batch")
+RETRIEVAL_CONFIGS = ("cmr", "streaming", "goodput", "always_paused", "cmr_k_by_batch")
+SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming", "goodput", "always_paused")
 """Run in one engine, its drafter reconfigured between runs."""
+CONTROLLED_CONFIGS = ("goodput", "always_paused")
+"""Under goodput control; ``always_paused`` forces every request to pause (the
+floor goodput control stands on: this engine, no drafts, no draft forwards)."""
 PASSAGE_STRIDE = 60_000
 """Characters between the starts of a batch's passages."""
 
@@ -74,6 +78,11 @@ class BatchMeasurement:
     target alone's in the same round (the run beside it: drift cancels)."""
     round_drafted_steps: list[int] | None = None
     """Interleaved rounds of ``goodput``: request-steps drafted in each round."""
+    paired_vs_always_paused: float | None = None
+    """Interleaved rounds of ``goodput`` beside ``always_paused`` (the same
+    engine, no drafts): as ``paired_vs_target``, over that floor instead.
+    Engine effects cancel: what is left is what the controller's decisions
+    gained or cost."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -108,13 +117,14 @@ def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasur
 
 def engine_spec_extend(args, engine_config: str, configs: list[str]) -> dict | None:
     """``spec_extend`` of the engine that runs ``configs``: none for the target
-    alone, else cmr; with goodput control when ``goodput`` is among them (vLLM's
-    synchronous scheduler then serves every run of the engine)."""
+    alone, else cmr; with goodput control when ``CONTROLLED_CONFIGS`` are
+    among them (vLLM's synchronous scheduler then serves every run of the
+    engine)."""
     if engine_config in ("target", "target_sync"):
         return None
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     spec_extend = {**base, "mode": "cmr"}
-    if engine_config == "cmr" and "goodput" in configs:
+    if engine_config == "cmr" and set(CONTROLLED_CONFIGS) & set(configs):
         spec_extend["speculation_control"] = "goodput"
     return spec_extend
 
@@ -147,7 +157,8 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
     """The runs of several engines, all open at once (``engines``: engine
     configuration, its configurations, its ``spec_extend``, its args): at
     every point each configuration runs ``rounds`` times, the engines taking
-    turns (in reverse order every other round). A host whose speed drifts
+    turns (in reverse order every other round, an engine's configurations
+    too). A host whose speed drifts
     over minutes (a VM's neighbours) then slows every configuration alike,
     where engines run one after another would each see another speed. Per
     configuration and point, the run of median speed is reported, with the
@@ -181,7 +192,7 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                     turns = list(zip(engines, llms))
                     for (engine_config, configs, _, engine_args), llm in (
                             turns if round_index % 2 == 0 else turns[::-1]):
-                        for config in configs:
+                        for config in (configs if round_index % 2 == 0 else configs[::-1]):
                             m, ids = _measured_run(engine_args, llm, engine_config, config,
                                                    passages[:batch_size], length)
                             runs.setdefault(config, []).append((m, ids))
@@ -189,6 +200,7 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                                 f"round {round_index + 1}/{rounds} {config} b={batch_size} "
                                 f"{length}: {m.output_tok_s:.2f} tok/s")
                 target_rounds = [run[0].output_tok_s for run in runs.get("target", [])]
+                floor_rounds = [run[0].output_tok_s for run in runs.get("always_paused", [])]
                 for config, config_runs in runs.items():
                     m, ids = sorted(config_runs, key=lambda run: run[0].output_tok_s)[
                         len(config_runs) // 2]
@@ -199,6 +211,9 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                     if target_rounds:
                         m.paired_vs_target = float(np.median(
                             np.array(m.round_tok_s) / np.array(target_rounds)))
+                    if floor_rounds and config == "goodput":
+                        m.paired_vs_always_paused = float(np.median(
+                            np.array(m.round_tok_s) / np.array(floor_rounds)))
                     measurements.append(m)
                     token_ids[(config, batch_size, length)] = ids
                     progress.update(1)
@@ -249,10 +264,12 @@ def _measured_run(args, llm, engine_config: str, config: str, passages: list[lis
 
     if engine_config == "cmr":
         base = json.loads(args.spec_extend) if args.spec_extend else {}
-        mode = {"draft_model": "off", "goodput": "cmr"}.get(config, config)
-        control = "goodput" if config == "goodput" else "off"
-        llm.collective_rpc(reconfigure_drafter,
-                           args=({**base, "mode": mode, "speculation_control": control},))
+        controlled = config in CONTROLLED_CONFIGS
+        mode = "off" if config == "draft_model" else "cmr" if controlled else config
+        llm.collective_rpc(reconfigure_drafter, args=(
+            {**base, "mode": mode, "speculation_control": "goodput" if controlled else "off"},))
+        if controlled:
+            llm.collective_rpc(force_pause, args=(config == "always_paused",))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = [TokensPrompt(prompt_token_ids=p) for p in passages]
     control0 = llm.collective_rpc(control_counts)[0]
@@ -320,9 +337,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
-        "verify s/step | retrieval s/step | kept % | paused % | same as target | "
-        "rounds tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "verify s/step | retrieval s/step | kept % | paused % | vs always paused | "
+        "same as target | rounds tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -340,7 +357,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_s_per_step, '.4f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
-            f"{fmt(paused_percent(m.control), '.0f')} | {same} | {rounds_cell(m)} |"
+            f"{fmt(paused_percent(m.control), '.0f')} | "
+            f"{fmt(m.paired_vs_always_paused)}{'x' if m.paired_vs_always_paused else ''} | "
+            f"{same} | {rounds_cell(m)} |"
         )
     return "\n".join(lines)
 

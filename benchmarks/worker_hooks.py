@@ -79,6 +79,12 @@ def control_counts(worker) -> dict | None:
             if isinstance(value, (int, list))}
 
 
+def force_pause(worker, forced: bool) -> None:
+    """Goodput control pauses every request without planning or learning
+    (``always_paused``: the engine's floor), or plans again."""
+    _retrieval(worker.model_runner).control.forced_pause = forced
+
+
 def start_control_trace(worker) -> None:
     """Goodput control records every plan from now on."""
     _retrieval(worker.model_runner).control.trace = []

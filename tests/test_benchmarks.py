@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 LENGTHS = (1024, 2048)
 BATCH_SIZES = (1, 3)
 CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
-           "cmr_k_by_batch")
+           "always_paused", "cmr_k_by_batch")
 MAX_TOKENS = 32
 PNG_MAGIC = b"\x89PNG"
 
@@ -61,6 +61,10 @@ def test_batched_grid_is_complete_and_lossless(batch_results):
             # Goodput control's own counts of the run (it may skip every draft).
             control = r["control"]
             assert control["drafted_request_steps"] + control["paused_request_steps"] > 0
+            continue
+        if r["config"] == "always_paused":
+            # The same engine with every request paused: no drafts at all.
+            assert r["drafted_tokens"] == 0 and r["control"] is None
             continue
         assert r["control"] is None
         assert r["draft_s_per_step"] > 0 and r["verify_s_per_step"] > 0
@@ -314,21 +318,27 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
     monkeypatch.setattr(batch, "_measured_run", fake_run)
     args = argparse.Namespace(batch_sizes=[1])
     # The drafting engine opens last (its counters survive), whatever the order.
-    engines = [("cmr", ["cmr", "goodput"], {}, args), ("target", ["target"], None, args)]
+    engines = [("cmr", ["cmr", "goodput", "always_paused"], {}, args),
+               ("target", ["target"], None, args)]
     progress = argparse.Namespace(update=lambda n: None, set_postfix_str=lambda s: None)
     measurements, token_ids = batch.interleaved_engine_runs(
         args, engines, {64: [[1, 2, 3]]}, progress, rounds=3)
     assert opened == ["target", "cmr"]
-    assert calls == ["target", "cmr", "goodput", "cmr", "goodput", "target",
-                     "target", "cmr", "goodput"]
+    # Every other round in reverse: the engines and an engine's configurations.
+    assert calls == ["target", "cmr", "goodput", "always_paused",
+                     "always_paused", "goodput", "cmr", "target",
+                     "target", "cmr", "goodput", "always_paused"]
     by_config = {m.config: m for m in measurements}
-    assert by_config["target"].round_tok_s == [99.0, 94.0, 93.0]
-    assert by_config["target"].output_tok_s == 94.0  # the median round
-    assert token_ids[("target", 1, 64)] == [[6]]
-    assert by_config["goodput"].round_tok_s == [97.0, 95.0, 91.0]
-    # Against the target round by round: 97/99, 95/94, 91/93.
+    assert by_config["target"].round_tok_s == [99.0, 92.0, 91.0]
+    assert by_config["target"].output_tok_s == 92.0  # the median round
+    assert token_ids[("target", 1, 64)] == [[8]]
+    assert by_config["goodput"].round_tok_s == [97.0, 94.0, 89.0]
+    # Against the target round by round: 97/99, 94/92, 89/91; against the
+    # forced pauses on its engine: 97/96, 94/95, 89/88.
     assert by_config["goodput"].paired_vs_target == pytest.approx(97 / 99)
-    assert by_config["goodput"].round_drafted_steps == [3, 5, 9]
+    assert by_config["goodput"].paired_vs_always_paused == pytest.approx(97 / 96)
+    assert by_config["always_paused"].paired_vs_always_paused is None
+    assert by_config["goodput"].round_drafted_steps == [3, 6, 11]
     assert by_config["target"].round_drafted_steps is None
     with pytest.raises(SystemExit, match="at most one drafting engine"):
         batch.interleaved_engine_runs(args, engines + [("eagle3_full", ["eagle3_full"], None,

@@ -79,6 +79,21 @@ def test_rows_draft_as_far_as_their_acceptance_pays():
     assert all(plan.expected_goodput >= goodput([k] * 3) for k in range(K + 1))
 
 
+def test_a_row_drafts_when_its_drafts_are_worth_more_than_its_catch_up():
+    # Two rows alike, but the second must first catch up a pause.
+    model = fitted({"step": 0.05, "verified_tokens": 0.004, "draft_forwards": 0.01})
+    survival = np.cumprod(np.full((2, K), 0.8), axis=1)
+    paused = np.zeros(2, bool)
+    plan = choose_draft_lengths(survival, paused, model, 2)
+    assert (plan.draft_lengths == K).all()
+    plan = choose_draft_lengths(survival, paused, model, 2, resume_seconds=np.array([0.0, 0.2]))
+    assert plan.draft_lengths[0] > 0 and plan.draft_lengths[1] == 0
+    # Spread over enough steps, the catch-up is worth it.
+    plan = choose_draft_lengths(survival, paused, model, 2,
+                                resume_seconds=np.array([0.0, 0.2 / 50]))
+    assert (plan.draft_lengths == K).all()
+
+
 def test_hysteresis_keeps_a_row_on_its_side_of_the_threshold():
     model = fitted({"step": 0.05, "verified_tokens": 0.01, "draft_forwards": 0.001})
     # The acceptance near the break-even point of the first position.
@@ -135,7 +150,11 @@ class SimulatedEngine:
         else:
             self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
         self.now += catch_up * self.caught_up
-        plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now)
+        for r in req_ids:
+            self.gap.setdefault(r, 0)
+        gaps = np.array([max(self.gap[r], 0) for r in req_ids])
+        plan = self.controller.plan(req_ids, context, query, np.ones(len(req_ids)), self.now,
+                                    catch_up_gaps=gaps)
         self.draft_forwards = plan.draft_steps  # a step with no drafts skips the forward
         self.controller.record_forwards(plan.draft_steps)
         limits = plan.catch_up_limits
@@ -333,3 +352,51 @@ def test_ring_rows_keep_each_requests_recent_positions_apart():
     # ``capacity`` consecutive positions of one request never share a row.
     assert len(set(ring_rows(np.ones(capacity, int), np.arange(30, 30 + capacity),
                              capacity).tolist())) == capacity
+
+
+def test_a_draft_cost_learnt_long_ago_is_not_forgotten_nor_its_step_dropped_as_a_stall():
+    # Sure drafts, but a draft forward costs three paused steps (a 0.5B
+    # draft against a 1.5B target at batch 8 on a CPU): drafting never pays.
+    # After the warm-up the engine pauses for hundreds of steps; what the
+    # warm-up taught must hold, and a drafting step must be learnt from even
+    # when it costs many times what the model predicted.
+    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    rows = {r: 1.0 for r in "abcdefgh"}
+    engine = SimulatedEngine(controller, rows, draft_step=0.3)
+    paused_step = 0.05 + 8 * 0.005
+    for _ in range(50):
+        engine.step()
+    stats = controller.stats
+    start, before = engine.now, (stats.drafted_request_steps, stats.probes, stats.explorations)
+    steps = 1000
+    for _ in range(steps):
+        engine.step()
+    overhead = (engine.now - start) / (steps * paused_step) - 1
+    assert overhead <= 0.05  # 1.25 when the model forgot, dropping drafting steps as stalls
+    # Every request-step that drafted was a probe or in an exploration.
+    drafted, probes, explorations = (
+        after - first for after, first in zip(
+            (stats.drafted_request_steps, stats.probes, stats.explorations), before))
+    assert drafted <= probes + explorations * len(rows)
+
+
+def test_a_step_of_a_kind_not_seen_lately_is_learnt_from_not_dropped_as_a_stall():
+    # A hundred paused steps of 0.09 s, then the first step with three draft
+    # forwards, 1 s: many times the prediction, but a cost to learn (an
+    # engine whose warm-up ran in prefills never saw one), not a stall.
+    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    req_ids = list("abcdefgh")
+    ones = np.ones(len(req_ids), dtype=np.int64)
+    now = 0.0
+    for step in range(100):
+        controller.plan(req_ids, 1000 + step * ones, ones, ones, now)
+        controller.record_forwards(0)
+        now += 0.09
+    controller.record_forwards(3)
+    controller.plan(req_ids, 1100 * ones, ones, ones, now + 1.0)
+    assert controller.cost.predict(step_features(8, 3, K)) > 0.5
+    # A stall of a kind of step it knows is still dropped.
+    controller.record_forwards(0)
+    before = controller.cost.weights.copy()
+    controller.plan(req_ids, 1101 * ones, ones, ones, now + 3.0)
+    assert np.array_equal(controller.cost.weights, before)

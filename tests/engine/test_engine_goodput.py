@@ -40,8 +40,8 @@ def _script_plans(worker, pause_from: int, pause_to: int) -> None:
     stock_plan = controller.__dict__.setdefault("_stock_plan", controller.plan)
     runner._test = {"plans": 0, "log": []}
 
-    def scripted(req_ids, *args):
-        stock_plan(req_ids, *args)  # the controller's own bookkeeping
+    def scripted(req_ids, *args, **kwargs):
+        stock_plan(req_ids, *args, **kwargs)  # the controller's own bookkeeping
         step = runner._test["plans"]
         runner._test["plans"] += 1
         k = 0 if pause_from <= step < pause_to else K

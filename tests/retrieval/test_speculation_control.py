@@ -26,7 +26,11 @@ class ScriptedControl:
         lengths = np.array([drafts[r] for r in req_ids])
         plan = DraftPlan(lengths, int(lengths.max()), 0.0,
                          None if limits is None else np.array([limits[r] for r in req_ids]))
-        self.control.controller.plan = lambda *args: plan
+        def scripted_plan(*args, catch_up_gaps):
+            self.gaps = catch_up_gaps.tolist()
+            return plan
+
+        self.control.controller.plan = scripted_plan
         queries = np.full(2, query)
         _, runs = self.control.plan(req_ids, self.context, queries, np.full(2, 100))
         starts = (self.control.catch_up_starts(req_ids, self.context, BUDGET) if runs
@@ -43,14 +47,15 @@ def test_only_requests_drafting_on_their_estimates_catch_up_all_of_their_gap():
         assert scripted.step({"a": 0, "b": 0}) == "skipped"
     # "a" drafts on its estimates, "b" stays paused in the forward that runs:
     # "a" catches up its 19 tokens (101-119), "b" none.
+    # (The controller is told the gaps: it prices a resumption's catch-up.)
     starts = scripted.step({"a": K, "b": 0}, {"a": UNLIMITED, "b": 0})
-    assert starts.tolist() == [101, 120]
+    assert starts.tolist() == [101, 120] and scripted.gaps == [19, 19]
     # "b" probes with a limit of 4: its 4 most recent tokens ("a" is synced).
     starts = scripted.step({"a": K, "b": 1}, {"a": UNLIMITED, "b": 4})
-    assert starts.tolist() == [121, 117]
+    assert starts.tolist() == [121, 117] and scripted.gaps == [0, 20]
     # "b" drafts on its estimates: all of its gap, from where it paused.
     starts = scripted.step({"a": K, "b": K}, {"a": UNLIMITED, "b": UNLIMITED})
-    assert starts.tolist() == [122, 101]
+    assert starts.tolist() == [122, 101] and scripted.gaps == [0, 21]
     # Both caught up: nothing lags.
     assert scripted.step({"a": K, "b": K}, {"a": UNLIMITED, "b": UNLIMITED}) is None
     assert scripted.control.controller.stats.catch_up_tokens == 19 + 4 + 21

@@ -92,12 +92,20 @@ class StepCostModel:
         self._gram = self.forgetting * self._gram + np.outer(features, features)
         self._moment = self.forgetting * self._moment + features * seconds
         self.observations += 1
-        # Scale the ridge with the data so it stays a tie-breaker.
-        scale = max(float(np.trace(self._gram)), 1.0)
-        regularised = self._gram + self.ridge * scale * np.eye(len(features))
-        weights = np.linalg.solve(regularised, self._moment)
+        # Scale the ridge with the data so it stays a tie-breaker. It pulls
+        # towards the current weights: a cost the recent steps no longer show
+        # (a number of draft steps not run for hundreds of paused steps) keeps
+        # what was learnt, instead of decaying to free.
+        ridge = self.ridge * max(float(np.trace(self._gram)), 1.0)
+        regularised = self._gram + ridge * np.eye(len(features))
+        weights = np.linalg.solve(regularised, self._moment + ridge * self.weights)
         weights[:NUM_LINEAR_FEATURES] = np.maximum(weights[:NUM_LINEAR_FEATURES], 0.0)
         self.weights = weights
+
+    def knows(self, features: np.ndarray) -> bool:
+        """Whether recent steps showed every feature ``features`` has (about
+        one step's weight at least since forgetting)."""
+        return bool((np.diag(self._gram)[features != 0] >= 1.0).all())
 
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self.weights
@@ -175,6 +183,7 @@ def choose_draft_lengths(
     free_pause: bool = True,
     hysteresis: float = 0.1,
     must_draft: np.ndarray | None = None,
+    resume_seconds: np.ndarray | None = None,
 ) -> DraftPlan:
     """The draft lengths that maximise expected goodput for the next step.
 
@@ -191,11 +200,14 @@ def choose_draft_lengths(
             (otherwise vLLM's first pass still runs once).
         must_draft: ``[rows]`` bool, rows probing this step: they draft at
             least one token.
+        resume_seconds: ``[rows]`` what drafting at all adds to the step for
+            a row (its catch-up after a pause, amortised), beyond its tokens.
     """
     rows, max_k = survival.shape
     per_token = cost.weights[1]  # verified_tokens
     base_tokens = num_requests + other_tokens
     must = np.zeros(rows, dtype=bool) if must_draft is None else must_draft
+    resume = np.zeros(rows) if resume_seconds is None else resume_seconds
     scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
     best = None
     for steps in range(max_k + 1):
@@ -207,18 +219,21 @@ def choose_draft_lengths(
 
         def goodput(lengths: np.ndarray, weights: np.ndarray | float = 1.0) -> float:
             """Expected tokens per second (accepted drafts divided by ``weights``)."""
-            seconds = fixed + per_token * lengths.sum()
+            seconds = fixed + per_token * lengths.sum() + resume[lengths > 0].sum()
             gained = rows + (_expected_accepted(usable, lengths) / weights).sum()
             return gained / seconds if seconds > 0 else 0.0
 
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
-        # is kept when it is worth more than its verification time.
+        # is kept when it is worth more than its verification time, a row
+        # drafts when its kept positions are worth more than its resumption.
         objective = rows / fixed if fixed > 0 else 0.0
         lengths = np.zeros(rows, dtype=np.int64)
         for _ in range(4):  # converges in a few rounds
-            keep = usable > (objective * per_token * scale)[:, None]
-            lengths = np.cumprod(keep, axis=1).sum(axis=1)
+            margins = usable / scale[:, None] - objective * per_token
+            kept = np.cumprod(margins > 0, axis=1)
+            worth = (margins * kept).sum(axis=1) > objective * resume
+            lengths = np.where(worth, kept.sum(axis=1), 0)
             lengths = np.where(must, np.maximum(lengths, 1), lengths)
             new = goodput(lengths, scale)
             if abs(new - objective) <= 1e-9 * max(new, 1.0):
@@ -356,10 +371,12 @@ class GoodputController:
         query_lens: np.ndarray,
         prompt_lens: np.ndarray,
         now: float,
+        catch_up_gaps: np.ndarray | None = None,
     ) -> DraftPlan:
         """Draft lengths for the next verification of ``req_ids`` (this step's
         batch: ``context_lens`` computed tokens before this step's
-        ``query_lens``), observing the step just verified first."""
+        ``query_lens``; ``catch_up_gaps``: tokens each request's draft KV is
+        behind), observing the step just verified first."""
         states = [self._state(req_id) for req_id in req_ids]
         num_requests = len(req_ids)
         seq_lens = context_lens + query_lens
@@ -384,6 +401,7 @@ class GoodputController:
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
+            resume_seconds=self._resume_seconds(states, catch_up_gaps, probing),
         )
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests)
@@ -470,8 +488,9 @@ class GoodputController:
         seconds = now - last
         features = step_features(verified, self._last_draft_forwards, self.num_speculative_tokens,
                                  self._last_catch_up_tokens)
-        if self.cost.observations >= 8 and not self._last_catch_up_tokens:
-            # (A catch-up's cost is what the model has yet to learn.)
+        if self.cost.observations >= 8 and self.cost.knows(features):
+            # (A step of a kind not seen lately, a catch-up or a number of
+            # draft steps, shows a cost the model has yet to learn.)
             predicted = float(self.cost.predict(features))
             if predicted > 0 and seconds > 4 * predicted:
                 return  # an idle engine or a stall, not a step's cost
@@ -509,6 +528,18 @@ class GoodputController:
             num_requests + other_tokens, 0, self.num_speculative_tokens)))
         paused_steps = np.array([s.paused_steps for s in states], dtype=np.float64)
         return self.probe_budget * max(paused_step, 0.0) / num_requests * paused_steps
+
+    def _resume_seconds(self, states, gaps: np.ndarray | None,
+                        probing: np.ndarray) -> np.ndarray | None:
+        """``[rows]``: what drafting on its estimates adds to a row's step:
+        catching up its gap, once, spread over as many steps as the request
+        has decoded (at least a probe interval; it is expected to run about
+        as long again). A probe's catch-up is its budget's."""
+        if gaps is None:
+            return None
+        decoded = np.array([s.drafted_steps + s.paused_decode_steps for s in states])
+        horizon = np.maximum(decoded, self.probe_interval)
+        return np.where(probing, 0.0, gaps * self._catch_up_seconds() / horizon)
 
     def _forced_draft_seconds(self, draft_lengths: np.ndarray | int,
                               num_requests: int) -> np.ndarray:

@@ -59,6 +59,9 @@ class SpeculationControl:
         self.trace: list[dict[str, object]] | None = None
         """Set to a list to record every plan and the clock at it (benchmarks:
         K and step seconds over time)."""
+        self.forced_pause = False
+        """Benchmarks: every request pauses and the controller neither plans
+        nor learns (the floor of a speculative engine that never drafts)."""
         self._frontier: dict[str, int] = {}
         self._synced: set[str] = set()
 
@@ -75,10 +78,6 @@ class SpeculationControl:
         for req_id in left:
             del self._frontier[req_id]
         now = self.clock()
-        plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now)
-        self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
-        self._catch_up_limits = (None if plan.catch_up_limits is None
-                                 else dict(zip(req_ids, plan.catch_up_limits.tolist())))
         for req_id, context_len in zip(req_ids, context_lens.tolist()):
             frontier = self._frontier.get(req_id)
             if req_id in self._synced:
@@ -88,9 +87,19 @@ class SpeculationControl:
             elif frontier is None or context_len + self.synced_lead < frontier:
                 # New, or preempted and recomputed from an earlier point.
                 self._frontier[req_id] = context_len
+        if self.forced_pause:
+            nothing = np.zeros(len(req_ids), dtype=np.int64)
+            plan = DraftPlan(nothing, 0, 0.0, nothing)
+        else:
+            plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
+                                        catch_up_gaps=self._gaps(req_ids, context_lens))
+        self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
+        self._catch_up_limits = (None if plan.catch_up_limits is None
+                                 else dict(zip(req_ids, plan.catch_up_limits.tolist())))
         prefilling = bool((context_lens < prompt_lens).any())
         runs = not (self.free_pause and plan.draft_steps == 0 and not prefilling)
-        self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
+        if not self.forced_pause:
+            self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
         self._synced = set(req_ids) if runs else set()
         if self.trace is not None:
             self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
@@ -105,10 +114,7 @@ class SpeculationControl:
         tokens within the plan's limit (the row then stays behind its
         frontier) and, for all rows together, ``budget`` tokens (beyond it,
         and beyond a head's kept positions, holes stay holes)."""
-        starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
-        gaps = np.maximum(context_lens - starts, 0)
-        if self.max_catch_up is not None:
-            gaps = np.minimum(gaps, self.max_catch_up)
+        gaps = self._gaps(req_ids, context_lens)
         if self._catch_up_limits is not None:
             limits = np.array([self._catch_up_limits[r] for r in req_ids], dtype=np.int64)
             behind = limits < gaps
@@ -121,6 +127,15 @@ class SpeculationControl:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
         self.controller.record_catch_up(int(gaps.sum()))
         return context_lens - gaps
+
+    def _gaps(self, req_ids: list[str], context_lens: np.ndarray) -> np.ndarray:
+        """Per row, the verified tokens its draft KV lacks (a head: at most
+        the positions kept)."""
+        starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
+        gaps = np.maximum(context_lens - starts, 0)
+        if self.max_catch_up is not None:
+            gaps = np.minimum(gaps, self.max_catch_up)
+        return gaps
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Each planned request's slot (``0 .. max_requests - 1``)."""
