@@ -42,6 +42,8 @@ _CONTROL_COUNTERS = {
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "
                               "draft's forward did not run.",
     "catch_up_tokens": "Goodput control: tokens the draft caught up after pauses.",
+    "deferred_prefill_tokens": "Goodput control: prompt tokens not run through the draft "
+                               "(nobody drafted, a new request would not have either).",
 }
 _HISTOGRAMS = {
     "request_kept_fraction": "Per finished request: kept tokens / context tokens.",

@@ -400,3 +400,54 @@ def test_a_step_of_a_kind_not_seen_lately_is_learnt_from_not_dropped_as_a_stall(
     before = controller.cost.weights.copy()
     controller.plan(req_ids, 1101 * ones, ones, ones, now + 3.0)
     assert np.array_equal(controller.cost.weights, before)
+
+
+@pytest.mark.parametrize("draft_step, drafts_prompt", [(0.3, False), (0.001, True)])
+def test_a_prompt_skips_the_draft_only_where_a_new_request_would_not_draft(draft_step,
+                                                                          drafts_prompt):
+    # Sure drafts; a draft forward costs three paused steps (never pays) or
+    # a fiftieth of one (pays at full K).
+    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    rows = {r: 1.0 for r in "abcd"}
+    engine = SimulatedEngine(controller, rows, draft_step=draft_step)
+    for _ in range(100):
+        engine.step()
+    # A new request's first prompt chunk beside them.
+    req_ids = [*rows, "new"]
+    context = np.array([engine.context[r] for r in rows] + [0])
+    query = np.array([engine.query[r] for r in rows] + [256])
+    plan = controller.plan(req_ids, context, query, np.array([1] * len(rows) + [1000]),
+                           engine.now + 0.1)
+    assert plan.draft_prefill is drafts_prompt
+    # Alone (the others finished): the same.
+    controller.record_forwards(plan.draft_steps)
+    controller.finish(list(rows))
+    plan = controller.plan(["new"], np.array([256]), np.array([256]), np.array([1000]),
+                           engine.now + 1.0)
+    assert plan.draft_steps == 0 and plan.draft_prefill is drafts_prompt
+
+
+def test_prompts_nobody_would_draft_for_reach_the_draft_within_the_prompt_budget():
+    # Drafting never pays, so prompts skip the draft; but a few, within 2%
+    # of the paused time, go through it: their requests can probe, and the
+    # engine learns if drafting pays again.
+    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    engine = SimulatedEngine(controller, {r: 1.0 for r in "abcd"}, draft_step=0.3,
+                             catch_up=0.005)
+    for _ in range(100):
+        engine.step()
+    through = []
+    for arrival in range(40):
+        for _ in range(50):
+            engine.step()
+        new = f"new{arrival}"
+        req_ids = [*engine.acceptance, new]
+        context = np.array([engine.context[r] for r in engine.acceptance] + [0])
+        query = np.array([engine.query[r] for r in engine.acceptance] + [64])
+        plan = controller.plan(req_ids, context, query, np.array([1] * 4 + [64]), engine.now)
+        controller.record_forwards(0)
+        controller.finish([new])
+        through.append(plan.draft_prefill)
+    # A 64-token prompt costs 0.32 s of draft; 2% of 2,000 paused steps of
+    # 0.07 s buys 9 of the 40.
+    assert 2 <= sum(through) <= 10

@@ -32,22 +32,43 @@ FULL_CACHE_GOODPUT = {"mode": "off", **GOODPUT}
 def _script_plans(worker, pause_from: int, pause_to: int) -> None:
     """Every request drafts K, except for the plans ``pause_from`` up to
     ``pause_to``: none drafts. Logs "T" per target forward, "D" per draft one."""
+    _log_forwards(worker)
+
+    def k_of_step(step):
+        return 0 if pause_from <= step < pause_to else K
+
+    _script(worker, k_of_step, draft_prefill=True)
+
+
+def _script(worker, k_of_step, draft_prefill: bool) -> None:
+    """Every plan: each request drafts ``k_of_step(plan number)``, and
+    prompts go through the draft iff ``draft_prefill``."""
     from vllm_specextend.core.goodput import DraftPlan
 
     runner = worker.model_runner
     controller = runner.drafter.retrieval.control.controller
     # Scripting again replaces the script (it does not wrap it).
     stock_plan = controller.__dict__.setdefault("_stock_plan", controller.plan)
-    runner._test = {"plans": 0, "log": []}
+    runner._test["plans"] = 0
 
     def scripted(req_ids, *args, **kwargs):
         stock_plan(req_ids, *args, **kwargs)  # the controller's own bookkeeping
-        step = runner._test["plans"]
+        k = k_of_step(runner._test["plans"])
         runner._test["plans"] += 1
-        k = 0 if pause_from <= step < pause_to else K
-        return DraftPlan(np.full(len(req_ids), k), k, 0.0)
+        return DraftPlan(np.full(len(req_ids), k), k, 0.0, draft_prefill=draft_prefill)
 
     controller.plan = scripted
+
+
+def _script_all(worker, k: int, draft_prefill: bool) -> None:
+    _log_forwards(worker)
+    _script(worker, lambda step: k, draft_prefill)
+
+
+def _log_forwards(worker) -> None:
+    """From now on: "T" per target forward, "D" per draft one."""
+    runner = worker.model_runner
+    runner._test = {"plans": 0, "log": []}
     if not getattr(runner, "_test_hooked", False):
         runner._test_hooked = True
         runner.model.register_forward_pre_hook(lambda *_: runner._test["log"].append("T"))
@@ -95,16 +116,87 @@ def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, t
     assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
 
 
+def _skip_stale_blocks(worker) -> None:
+    """New requests trust their prefix cache hits' draft KV (as before the
+    stale-block registry)."""
+    control = worker.model_runner.drafter.retrieval.control
+    control._first_stale = lambda row, context_len: context_len
+
+
+def test_a_deferred_prompt_skips_the_draft_and_a_prefix_hit_on_it_catches_up(
+    target_model, target_reference
+):
+    # Prompts the draft never saw (their requests paused throughout), then
+    # requests sharing their first 512 tokens (32 blocks), drafting: a
+    # draft equal to the target accepts every draft iff its KV is complete.
+    cases = {}
+    for offset, name in ((0, "caught up"), (40_000, "trusting the cache")):
+        deferred = corpus_prompts(target_model, [600, 700], offset=offset)
+        tails = corpus_prompts(target_model, [100, 150], offset=offset + 20_000)
+        sharing = [p[:512] + t for p, t in zip(deferred, tails)]
+        cases[name] = (deferred, target_reference(target_model, deferred, 16),
+                       sharing, target_reference(target_model, sharing, MAX_TOKENS))
+    runs = {}
+    with engine(target_model, target_model, k=K, spec_extend=FULL_CACHE_GOODPUT,
+                enable_prefix_caching=True) as llm:
+        for name, (deferred, deferred_reference, sharing, sharing_reference) in cases.items():
+            if name == "trusting the cache":
+                llm.collective_rpc(_skip_stale_blocks)
+            llm.collective_rpc(_script_all, args=(0, False))
+            before = llm.collective_rpc(control_counts)[0]
+            outputs = generate_greedy(llm, deferred, 16)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == deferred_reference
+            log = llm.collective_rpc(_forward_log)[0]
+            deferred_tokens = counter_deltas(llm.collective_rpc(control_counts)[0],
+                                             before)["deferred_prefill_tokens"]
+            llm.collective_rpc(_script_all, args=(K, True))
+            before = spec_decode_counters(llm)
+            outputs = generate_greedy(llm, sharing, MAX_TOKENS)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == sharing_reference
+            runs[name] = (log, deferred_tokens,
+                          counter_deltas(spec_decode_counters(llm), before))
+    log, deferred_tokens, counters = runs["caught up"]
+    # No draft forward at all: neither for the prompts nor after.
+    assert "T" in log and "D" not in log
+    assert deferred_tokens == 600 + 700
+    assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] > 0
+    # Read as the draft's own, the hit blocks' KV makes it miss.
+    _, _, counters = runs["trusting the cache"]
+    assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
+
+
+def test_prompts_skip_the_draft_once_drafting_does_not_pay(target_model, draft_model,
+                                                           target_reference):
+    first = corpus_prompts(target_model, [300, 400, 350, 450])
+    later = corpus_prompts(target_model, [500, 600], offset=30_000)
+    reference = target_reference(target_model, later, MAX_TOKENS)
+    with engine(target_model, draft_model, k=K, spec_extend=FULL_CACHE_GOODPUT) as llm:
+        # A draft forward costs five steps: drafting never pays. The first
+        # requests show it (each number of draft steps tried once: until
+        # then it looks free).
+        llm.collective_rpc(_simulate_device, args=(0.010, 0.002, 0.05))
+        generate_greedy(llm, first[:2], 96)
+        generate_greedy(llm, first[2:], 96)
+        llm.collective_rpc(_log_forwards)
+        before = llm.collective_rpc(control_counts)[0]
+        outputs = generate_greedy(llm, later, MAX_TOKENS)
+        log = llm.collective_rpc(_forward_log)[0]
+        control = counter_deltas(llm.collective_rpc(control_counts)[0], before)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert control["deferred_prefill_tokens"] == 500 + 600
+    assert "D" not in log and control["drafted_request_steps"] == 0
+
+
 def _simulate_device(worker, step: float, per_token: float, per_draft_forward: float) -> None:
     """The controller's clock as a device with these costs would show it."""
     control = worker.model_runner.drafter.retrieval.control
     state = {"now": 0.0, "forwards": 0}
     stock_plan = control.plan
 
-    def plan(req_ids, context_lens, query_lens, prompt_lens):
+    def plan(req_ids, context_lens, query_lens, prompt_lens, *args):
         state["now"] += step + per_token * int(query_lens.sum()) + \
             per_draft_forward * state["forwards"]
-        result, runs = stock_plan(req_ids, context_lens, query_lens, prompt_lens)
+        result, runs = stock_plan(req_ids, context_lens, query_lens, prompt_lens, *args)
         state["forwards"] = result.draft_steps if runs else 0
         return result, runs
 

@@ -26,7 +26,7 @@ class ScriptedControl:
         lengths = np.array([drafts[r] for r in req_ids])
         plan = DraftPlan(lengths, int(lengths.max()), 0.0,
                          None if limits is None else np.array([limits[r] for r in req_ids]))
-        def scripted_plan(*args, catch_up_gaps):
+        def scripted_plan(*args, catch_up_gaps, **kwargs):
             self.gaps = catch_up_gaps.tolist()
             return plan
 
@@ -67,3 +67,93 @@ def test_a_plan_without_limits_catches_every_row_up():
         scripted.step({"a": 0, "b": 0})
     starts = scripted.step({"a": K, "b": 0})
     assert starts.tolist() == [101, 101]
+
+
+BLOCK = 16
+
+
+class BlockScript:
+    """Requests with KV block ids, each step planned as given: ``rows`` maps a
+    request to (computed tokens, query tokens, prompt length, block ids);
+    requests drafting catch up all of their gap, the others none."""
+
+    def __init__(self):
+        self.control = SpeculationControl(max_requests=4, num_speculative_tokens=K,
+                                          free_pause=True, defer_prompts=True)
+        self.may_probe = None
+
+    def step(self, rows: dict, drafts: dict | None = None, draft_prefill: bool = True,
+             budget: int = BUDGET):
+        req_ids = list(rows)
+        context = np.array([rows[r][0] for r in req_ids])
+        query = np.array([rows[r][1] for r in req_ids])
+        prompt = np.array([rows[r][2] for r in req_ids])
+        table = np.zeros((len(req_ids), 64), dtype=np.int32)
+        for i, r in enumerate(req_ids):
+            table[i, :len(rows[r][3])] = rows[r][3]
+        lengths = np.array([(drafts or {}).get(r, 0) for r in req_ids])
+        # As the controller limits them: a request drafting catches up all.
+        limits = np.where(lengths > 0, UNLIMITED, 0)
+        plan = DraftPlan(lengths, int(lengths.max()), 0.0, limits, draft_prefill)
+
+        def scripted_plan(*args, catch_up_gaps, may_probe):
+            self.may_probe = dict(zip(req_ids, may_probe.tolist()))
+            return plan
+
+        self.control.controller.plan = scripted_plan
+        _, runs = self.control.plan(req_ids, context, query, prompt, table, BLOCK)
+        if not runs:
+            return "skipped"
+        starts = self.control.catch_up_starts(req_ids, context, budget)
+        return None if starts is None else dict(zip(req_ids, starts.tolist()))
+
+
+def test_a_deferred_prompt_is_caught_up_when_the_request_drafts_on_its_estimates():
+    script = BlockScript()
+    blocks = list(range(10, 17))  # 100 tokens
+    # Nobody drafts and a new request would not: the prompt skips the draft.
+    assert script.step({"a": (0, 100, 100, blocks)}, draft_prefill=False) == "skipped"
+    assert script.control.controller.stats.deferred_prefill_tokens == 100
+    for step in range(5):
+        assert script.step({"a": (100 + step, 1, 100, blocks)}) == "skipped"
+    # It is never probed (a probe would read a draft without the prompt).
+    assert script.may_probe == {"a": False}
+    # Drafting on its estimates: all of it, from the prompt's start.
+    assert script.step({"a": (105, 1, 100, blocks)}, {"a": K}) == {"a": 0}
+    assert script.step({"a": (106, 1 + K, 100, blocks)}, {"a": K}) is None
+    assert script.may_probe == {"a": True}
+    # A prompt in a step whose plan lets it through runs the draft.
+    assert script.step({"a": (110, 1, 100, blocks), "b": (0, 50, 50, [20, 21, 22, 23])}) \
+        is None
+
+
+def test_a_prefix_hit_on_blocks_without_draft_kv_catches_up_from_the_first():
+    script = BlockScript()
+    deferred = [10, 11, 12, 13, 14, 15, 16]
+    script.step({"a": (0, 100, 100, deferred)}, draft_prefill=False)
+    script.step({"a": (100, 1, 100, deferred)})
+    # "b" hits "a"'s first four blocks while "a" lags: it starts behind, at 0.
+    script.step({"a": (101, 1, 100, deferred), "b": (64, 36, 100, deferred[:4] + [30, 31, 32])})
+    assert script.step({"a": (102, 1, 100, deferred), "b": (100, 1, 100, [])},
+                       {"b": K})["b"] == 0
+    # "a" finishes behind: its blocks turn stale for later hits, but for the
+    # four "b" shares and wrote in its catch-up. "c" hits five of them.
+    script.step({"b": (101, 1 + K, 100, deferred[:4] + [30, 31, 32])})
+    script.step({"c": (80, 20, 100, deferred[:5] + [40, 41])})
+    assert script.control._frontier["c"] == 64
+    # Written again (here by "c"'s catch-up), a block is right again.
+    script.step({"c": (100, 1, 100, deferred[:5] + [40, 41])}, {"c": K})
+    script.step({"c": (101, 1 + K, 100, deferred[:5] + [40, 41])})
+    script.step({"e": (80, 20, 100, deferred[:5] + [50, 51])})
+    assert script.control._frontier["e"] == 80
+
+
+def test_a_catch_up_cut_by_the_token_budget_leaves_its_older_blocks_stale():
+    script = BlockScript()
+    blocks = list(range(10, 17))
+    script.step({"a": (0, 100, 100, blocks)}, draft_prefill=False)
+    # The drafter's budget lets it catch up its 40 most recent tokens (60-99).
+    assert script.step({"a": (100, 1, 100, blocks)}, {"a": K}, budget=40) == {"a": 60}
+    script.step({"a": (101, 1 + K, 100, blocks)})
+    script.step({"b": (64, 36, 100, blocks[:4] + [20, 21, 22])})
+    assert script.control._frontier["b"] == 0

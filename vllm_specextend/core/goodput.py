@@ -172,6 +172,9 @@ class DraftPlan:
     each row catches up this step; None: all. A row left short keeps its
     frontier and reads the rest as holes (stale draft KV; the target's
     output does not change) until it drafts on its estimates."""
+    draft_prefill: bool = True
+    """Whether prompt chunks go through the draft this step when nobody
+    drafts (False: a caught-up new request would not draft now either)."""
 
 
 def choose_draft_lengths(
@@ -312,6 +315,9 @@ class ControlStats:
     model seeing every number of draft steps."""
     skipped_draft_forwards: int = 0
     """Steps where no request drafted and the draft's forward did not run."""
+    deferred_prefill_tokens: int = 0
+    """Prompt tokens whose draft prefill was skipped (caught up if the
+    request drafts later)."""
     catch_up_tokens: int = 0
     """Tokens the draft caught up after forwards that skipped or left them."""
     chosen_lengths: np.ndarray | None = None
@@ -361,6 +367,11 @@ class GoodputController:
         self._catch_up_timed = False
         self._plans = 0
         self._since_exploration = 0
+        self._prompt_budget = 0.0
+        """Seconds of draft prefill the engine may spend on prompts it would
+        defer: ``probe_budget`` of every step nobody drafts in. A prompt let
+        through keeps its request able to probe, so an engine whose requests
+        all arrive paused still learns when drafting pays again."""
 
     # ---- per step --------------------------------------------------------
 
@@ -372,11 +383,14 @@ class GoodputController:
         prompt_lens: np.ndarray,
         now: float,
         catch_up_gaps: np.ndarray | None = None,
+        may_probe: np.ndarray | None = None,
     ) -> DraftPlan:
         """Draft lengths for the next verification of ``req_ids`` (this step's
         batch: ``context_lens`` computed tokens before this step's
         ``query_lens``; ``catch_up_gaps``: tokens each request's draft KV is
-        behind), observing the step just verified first."""
+        behind; ``may_probe``: False for requests whose probes would not
+        measure their draft, as one without its prompt), observing the step
+        just verified first."""
         states = [self._state(req_id) for req_id in req_ids]
         num_requests = len(req_ids)
         seq_lens = context_lens + query_lens
@@ -393,18 +407,29 @@ class GoodputController:
         drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
         other_tokens = int(np.where(decoding, 0, query_lens).sum())
         budgets = self._probe_budgets(states, num_requests, other_tokens)
+        if may_probe is not None:
+            budgets = np.where(may_probe, budgets, 0.0)
         probing = decoding & self._affordable(budgets, 1, num_requests) & np.array(
             [s.paused_steps >= (s.probe_after or self.probe_interval) for s in states],
             dtype=bool,
         )
         survival = np.where(decoding[:, None], self.acceptance.survival(slots), 0.0)
+        resume = self._resume_seconds(states, catch_up_gaps, probing)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
-            resume_seconds=self._resume_seconds(states, catch_up_gaps, probing),
+            resume_seconds=resume,
         )
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests)
+        if plan.draft_steps == 0:
+            self._prompt_budget += self.probe_budget * max(
+                float(self.cost.predict(step_features(num_requests + other_tokens, 0,
+                                                      self.num_speculative_tokens))), 0.0)
+            if prefilling:
+                plan = replace(plan, draft_prefill=self._prompt_through_draft(
+                    survival, drafting, resume, context_lens < prompt_lens, query_lens,
+                    num_requests))
         plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests)
         for state, length, probe, decodes, merit in zip(states, plan.draft_lengths, probing,
                                                          decoding, chosen):
@@ -442,6 +467,10 @@ class GoodputController:
         self._last_draft_forwards = draft_forwards
         self._last_catch_up_tokens = 0
         self.stats.skipped_draft_forwards += draft_forwards == 0
+
+    def record_deferred_prefill(self, tokens: int) -> None:
+        """Prompt tokens this step did not run through the draft."""
+        self.stats.deferred_prefill_tokens += tokens
 
     def record_catch_up(self, tokens: int) -> None:
         """The tokens this step's first pass caught up (after the plan)."""
@@ -528,6 +557,31 @@ class GoodputController:
             num_requests + other_tokens, 0, self.num_speculative_tokens)))
         paused_steps = np.array([s.paused_steps for s in states], dtype=np.float64)
         return self.probe_budget * max(paused_step, 0.0) / num_requests * paused_steps
+
+    def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
+                              query_lens: np.ndarray, num_requests: int) -> bool:
+        """Whether this step's prompt chunks go through the draft when nobody
+        drafts: where a new request would draft, or within the prompt budget."""
+        if self._new_request_drafts(survival, drafting, resume, prompting, num_requests):
+            return True
+        cost = self._catch_up_seconds() * int(query_lens[prompting].sum())
+        if cost > self._prompt_budget:
+            return False
+        self._prompt_budget -= cost
+        return True
+
+    def _new_request_drafts(self, survival: np.ndarray, drafting: np.ndarray,
+                            resume: np.ndarray | None, prompting: np.ndarray,
+                            num_requests: int) -> bool:
+        """Whether a request with prompt tokens in this step (``prompting``)
+        would draft at its decode steps beside this batch, caught up and as
+        likely to be accepted as the engine's requests so far."""
+        fresh = np.cumprod(self.acceptance.engine_rates)
+        plan = choose_draft_lengths(
+            np.where(prompting[:, None], fresh[None, :], survival), drafting & ~prompting,
+            self.cost, num_requests, free_pause=self.free_pause, hysteresis=self.hysteresis,
+            resume_seconds=None if resume is None else np.where(prompting, 0.0, resume))
+        return bool(plan.draft_lengths[prompting].any())
 
     def _resume_seconds(self, states, gaps: np.ndarray | None,
                         probing: np.ndarray) -> np.ndarray | None:

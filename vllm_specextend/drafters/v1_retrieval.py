@@ -104,8 +104,11 @@ class V1Retrieval:
         )
         control = self.retrieval.control
         if control is not None:
-            plan, runs = control.plan(batch.req_ids, batch.context_lens_cpu,
-                                      batch.query_lens_cpu, batch.prompt_lens_cpu)
+            block_table = self.runner.input_batch.block_table[self.kv_cache_gid]
+            plan, runs = control.plan(
+                batch.req_ids, batch.context_lens_cpu, batch.query_lens_cpu,
+                batch.prompt_lens_cpu, block_table.get_numpy_array()[: len(batch.req_ids)],
+                self.retrieval.block_size)
             num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
             # Kept every step: a request may catch up later what a forward
             # that ran left behind it (paused, or probing a part of its gap).

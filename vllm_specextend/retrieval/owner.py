@@ -318,6 +318,9 @@ class DraftRetrieval:
                 synced_lead=1 if self.setup.method == "draft_model" else 0,
                 max_catch_up=None if paused_hidden is None else (
                     paused_hidden.capacity - self.setup.num_speculative_tokens - 1),
+                # A prompt at compact positions is prefilled in chunks the
+                # window allows; a head keeps only recent hidden states.
+                defer_prompts=self.setup.method == "draft_model" and not self.compact_positions,
             )
 
     def metrics_snapshot(self) -> dict[str, object]:

@@ -16,6 +16,13 @@ estimates. A probe catches up the recent tokens its budget buys (the plan's
 ``catch_up_limits``) and a paused request in a forward that runs for others
 none; both keep their frontier, so drafting on estimates later catches up the
 rest.
+
+Prompts too: when nobody drafts and a caught-up new request would not draft
+either (``DraftPlan.draft_prefill``), a step of prompt chunks skips the
+draft's forward, and the request starts behind (it resumes only on its
+estimates, its catch-up priced). Blocks whose draft KV lacks tokens (deferred
+prompts, pauses, holes) can reach the prefix cache: a request whose cache hit
+holds one starts behind from it, so its draft never reads them as its own.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class SpeculationControl:
         free_pause: bool,
         synced_lead: int = 1,
         max_catch_up: int | None = None,
+        defer_prompts: bool = False,
     ) -> None:
         """Args:
             free_pause: a step where nobody drafts skips the draft's forward.
@@ -46,8 +54,12 @@ class SpeculationControl:
                 token's; a head's needs the token after it: 0).
             max_catch_up: most tokens a request catches up (a head: the
                 positions whose hidden states are kept).
+            defer_prompts: a step of prompt chunks may skip the draft's
+                forward too (a drafter that can catch up a whole prompt: a
+                draft model at the target's positions).
         """
         self.free_pause = free_pause
+        self.defer_prompts = defer_prompts and free_pause
         self.synced_lead = synced_lead
         self.max_catch_up = max_catch_up
         self.clock = time.perf_counter
@@ -64,6 +76,20 @@ class SpeculationControl:
         nor learns (the floor of a speculative engine that never drafts)."""
         self._frontier: dict[str, int] = {}
         self._synced: set[str] = set()
+        self._deferred: set[str] = set()
+        """Requests whose draft prefill was deferred, until caught up (never
+        probed: a probe's catch-up would leave the draft without its prompt)."""
+        self._blocks: tuple[np.ndarray, int] | None = None
+        """This step's host block table rows and block size (None: not kept)."""
+        self._stale_blocks: set[int] = set()
+        """KV blocks whose draft KV lacks tokens the target wrote, left so by
+        requests that finished behind their frontier or caught up with holes:
+        a request that finds one in the prefix cache catches up from it."""
+        self._lagging_blocks: dict[str, np.ndarray] = {}
+        """Per live request: its blocks from its frontier's on (stale when it
+        leaves behind; a prefix hit on them meanwhile is stale too)."""
+        self._holes: list[int] = []
+        """Blocks this step's catch-up leaves holes in (stale from the next plan)."""
 
     def plan(
         self,
@@ -71,41 +97,104 @@ class SpeculationControl:
         context_lens: np.ndarray,
         query_lens: np.ndarray,
         prompt_lens: np.ndarray,
+        block_table: np.ndarray | None = None,
+        block_size: int = 0,
     ) -> tuple[DraftPlan, bool]:
-        """This step's plan and whether the draft's forward runs."""
+        """This step's plan and whether the draft's forward runs
+        (``block_table``: the rows' KV block ids on the host, to keep prefix
+        cache hits on blocks without the draft's KV right; None: not kept)."""
+        self._blocks = None if block_table is None else (block_table, block_size)
         left = set(self._frontier) - set(req_ids)
         self.controller.finish(left)
         for req_id in left:
+            lagging = self._lagging_blocks.pop(req_id, None)
+            if lagging is not None and req_id not in self._synced:
+                self._stale_blocks.update(lagging.tolist())
             del self._frontier[req_id]
+            self._deferred.discard(req_id)
         now = self.clock()
-        for req_id, context_len in zip(req_ids, context_lens.tolist()):
-            frontier = self._frontier.get(req_id)
-            if req_id in self._synced:
-                # The last forward wrote the verified tokens (and, for a draft
-                # model, the token at ``context_len``).
-                self._frontier[req_id] = context_len + self.synced_lead
-            elif frontier is None or context_len + self.synced_lead < frontier:
-                # New, or preempted and recomputed from an earlier point.
-                self._frontier[req_id] = context_len
+        self._advance_frontiers(req_ids, context_lens)
+        prefilling_rows = context_lens < prompt_lens
         if self.forced_pause:
             nothing = np.zeros(len(req_ids), dtype=np.int64)
             plan = DraftPlan(nothing, 0, 0.0, nothing)
         else:
+            may_probe = np.array([r not in self._deferred for r in req_ids], dtype=bool)
             plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
-                                        catch_up_gaps=self._gaps(req_ids, context_lens))
+                                        catch_up_gaps=self._gaps(req_ids, context_lens),
+                                        may_probe=may_probe)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
         self._catch_up_limits = (None if plan.catch_up_limits is None
                                  else dict(zip(req_ids, plan.catch_up_limits.tolist())))
-        prefilling = bool((context_lens < prompt_lens).any())
-        runs = not (self.free_pause and plan.draft_steps == 0 and not prefilling)
+        prefilling = bool(prefilling_rows.any())
+        runs = not (self.free_pause and plan.draft_steps == 0 and not (
+            prefilling and (plan.draft_prefill or not self.defer_prompts)))
         if not self.forced_pause:
             self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
+        if prefilling and not runs:
+            # A caught-up request would not draft now: its prompt waits.
+            self._deferred.update(r for r, p in zip(req_ids, prefilling_rows) if p)
+            if not self.forced_pause:
+                self.controller.record_deferred_prefill(
+                    int(np.where(prefilling_rows, query_lens, 0).sum()))
         self._synced = set(req_ids) if runs else set()
+        if self._blocks is not None:
+            self._keep_lagging_blocks(req_ids, context_lens + query_lens)
         if self.trace is not None:
             self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
                                "draft_lengths": plan.draft_lengths.tolist(),
                                "draft_forward": runs, "seconds": now})
         return plan, runs
+
+    def _advance_frontiers(self, req_ids: list[str], context_lens: np.ndarray) -> None:
+        """Each request's draft KV frontier after the last step; blocks the
+        last forward filled leave the stale set, its holes join it."""
+        blocks = self._blocks
+        for row, (req_id, context_len) in enumerate(zip(req_ids, context_lens.tolist())):
+            frontier = self._frontier.get(req_id)
+            if req_id in self._synced:
+                # The last forward wrote the verified tokens (and, for a draft
+                # model, the token at ``context_len``).
+                synced = context_len + self.synced_lead
+                if self._stale_blocks and blocks is not None and frontier is not None:
+                    table, size = blocks
+                    self._stale_blocks.difference_update(
+                        table[row, frontier // size:synced // size].tolist())
+                self._frontier[req_id] = synced
+                self._deferred.discard(req_id)
+            elif frontier is None:
+                # New: its draft KV is right up to its computed tokens, or up
+                # to the first stale block its prefix cache hit holds.
+                self._frontier[req_id] = self._first_stale(row, context_len)
+            elif context_len + self.synced_lead < frontier:
+                # Preempted and recomputed from an earlier point.
+                self._frontier[req_id] = context_len
+        self._stale_blocks.update(self._holes)
+        self._holes = []
+
+    def _first_stale(self, row: int, context_len: int) -> int:
+        """``context_len``, or the start of the first block before it whose
+        draft KV is stale (left so, or lagging in a live request)."""
+        if self._blocks is None or not context_len or not (self._stale_blocks
+                                                             or self._lagging_blocks):
+            return context_len
+        table, size = self._blocks
+        stale = np.fromiter(self._stale_blocks, dtype=np.int64)
+        lagging = np.concatenate([stale, *self._lagging_blocks.values()])
+        hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)], lagging))
+        return int(hits[0]) * size if hits.size else context_len
+
+    def _keep_lagging_blocks(self, req_ids: list[str], seq_lens: np.ndarray) -> None:
+        """Per request behind its frontier after this step's tokens: its
+        blocks from the frontier's on."""
+        table, size = self._blocks
+        for row, (req_id, seq_len) in enumerate(zip(req_ids, seq_lens.tolist())):
+            frontier = self._frontier[req_id]
+            if frontier < seq_len:
+                self._lagging_blocks[req_id] = table[row, frontier // size:-(-seq_len // size)
+                                                     ].copy()
+            else:
+                self._lagging_blocks.pop(req_id, None)
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
                         budget: int) -> np.ndarray | None:
@@ -114,6 +203,7 @@ class SpeculationControl:
         tokens within the plan's limit (the row then stays behind its
         frontier) and, for all rows together, ``budget`` tokens (beyond it,
         and beyond a head's kept positions, holes stay holes)."""
+        full_gaps = self._gaps(req_ids, context_lens, capped=False)
         gaps = self._gaps(req_ids, context_lens)
         if self._catch_up_limits is not None:
             limits = np.array([self._catch_up_limits[r] for r in req_ids], dtype=np.int64)
@@ -125,15 +215,25 @@ class SpeculationControl:
         total = int(gaps.sum())
         if total > budget:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
+        if self._blocks is not None:
+            # Synced with older tokens left out: their blocks turn stale.
+            table, size = self._blocks
+            for row in np.flatnonzero(gaps < full_gaps).tolist():
+                if req_ids[row] not in self._synced:
+                    continue  # behind: it keeps its frontier
+                first_written = int(context_lens[row] - gaps[row])
+                self._holes += table[row, int(context_lens[row] - full_gaps[row]) // size:
+                                     -(-first_written // size)].tolist()
         self.controller.record_catch_up(int(gaps.sum()))
         return context_lens - gaps
 
-    def _gaps(self, req_ids: list[str], context_lens: np.ndarray) -> np.ndarray:
-        """Per row, the verified tokens its draft KV lacks (a head: at most
-        the positions kept)."""
+    def _gaps(self, req_ids: list[str], context_lens: np.ndarray,
+              capped: bool = True) -> np.ndarray:
+        """Per row, the verified tokens its draft KV lacks (``capped``, for a
+        head: at most the positions kept)."""
         starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
         gaps = np.maximum(context_lens - starts, 0)
-        if self.max_catch_up is not None:
+        if capped and self.max_catch_up is not None:
             gaps = np.minimum(gaps, self.max_catch_up)
         return gaps
 
@@ -150,6 +250,7 @@ class SpeculationControl:
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": stats.catch_up_tokens,
+            "deferred_prefill_tokens": stats.deferred_prefill_tokens,
             "chosen_draft_lengths": stats.chosen_lengths.tolist(),
             "request_paused_fraction": stats.request_paused_fraction.as_dict(),
             "requests": self.controller.request_figures(),
