@@ -139,7 +139,13 @@ class SpeculationControl:
                     int(np.where(prefilling_rows, query_lens, 0).sum()))
         self._synced = set(req_ids) if runs else set()
         if self._blocks is not None:
-            self._keep_lagging_blocks(req_ids, context_lens + query_lens)
+            seq_lens = context_lens + query_lens
+            behind = np.array([self._frontier[r] for r in req_ids]) < seq_lens
+            if runs:
+                limits = plan.catch_up_limits
+                behind &= (False if limits is None
+                           else limits < self._gaps(req_ids, context_lens))
+            self._keep_lagging_blocks(req_ids, seq_lens, behind)
         if self.trace is not None:
             self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
                                "draft_lengths": plan.draft_lengths.tolist(),
@@ -184,17 +190,17 @@ class SpeculationControl:
         hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)], lagging))
         return int(hits[0]) * size if hits.size else context_len
 
-    def _keep_lagging_blocks(self, req_ids: list[str], seq_lens: np.ndarray) -> None:
-        """Per request behind its frontier after this step's tokens: its
-        blocks from the frontier's on."""
+    def _keep_lagging_blocks(self, req_ids: list[str], seq_lens: np.ndarray,
+                             behind: np.ndarray) -> None:
+        """Per request left ``behind`` its frontier by this step: its blocks
+        from the frontier's on (the others' are written by this step)."""
         table, size = self._blocks
-        for row, (req_id, seq_len) in enumerate(zip(req_ids, seq_lens.tolist())):
-            frontier = self._frontier[req_id]
-            if frontier < seq_len:
-                self._lagging_blocks[req_id] = table[row, frontier // size:-(-seq_len // size)
-                                                     ].copy()
-            else:
-                self._lagging_blocks.pop(req_id, None)
+        lagging = {}
+        for row in np.flatnonzero(behind).tolist():
+            req_id = req_ids[row]
+            lagging[req_id] = table[row, self._frontier[req_id] // size:
+                                    -(-int(seq_lens[row]) // size)].copy()
+        self._lagging_blocks = lagging
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
                         budget: int) -> np.ndarray | None:
