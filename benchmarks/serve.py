@@ -2,11 +2,13 @@
 measured with vLLM's own `vllm bench serve`.
 
 Per configuration one server (prefix caching on); a warm-up pass sends every
-prompt with one output token, so the measured pass (``--max-concurrency N``,
-``--ignore-eos``) finds the prompts in the prefix cache and measures decode
-under concurrency: output tokens/s, TTFT and TPOT (median, p99). Acceptance
-and drafted tokens are `vllm bench serve`'s reading of the server's
-Prometheus counters (``vllm:spec_decode_*``) around the measured pass.
+prompt with ``WARM_UP_TOKENS`` output tokens, so the measured pass
+(``--max-concurrency N``, ``--ignore-eos``) finds the prompts in the prefix
+cache and measures decode under concurrency: output tokens/s, TTFT and TPOT
+(median, p99). Acceptance and drafted tokens are `vllm bench serve`'s
+reading of the server's Prometheus counters (``vllm:spec_decode_*``) around
+the measured pass; goodput control's counters of that pass are read the
+same way (``control``).
 
     python -m benchmarks --serve --concurrency 8 --lengths 8192
 """
@@ -147,13 +149,19 @@ def run_serve(args) -> dict[str, Any]:
                 progress.set_postfix_str(f"{config} {length}: server")
                 command = server_command(args, config, port, length + args.max_tokens + 256)
                 log_path = out_dir / f"server-{config}-{length}.log"
-                with running_server(command, port, log_path):
+                with running_server(command, port, log_path) as (base, _):
                     progress.set_postfix_str(f"{config} {length}: prefill")
-                    bench_serve(args, port, dataset, 1, None)
+                    bench_serve(args, port, dataset, WARM_UP_TOKENS, None)
                     progress.set_postfix_str(f"{config} {length}: measure")
+                    controlled = config == "goodput"
+                    before = control_counters(base) if controlled else {}
                     result = bench_serve(args, port, dataset, args.max_tokens,
                                          out_dir / f"bench-{config}-{length}.json")
+                    after = control_counters(base) if controlled else {}
                 row = served_row(config, length, args.concurrency, result)
+                if after:
+                    row["control"] = {name: value - before.get(name, 0.0)
+                                      for name, value in after.items()}
                 (out_dir / f"row-{config}-{length}.json").write_text(json.dumps(row))
                 progress.update(1)
     # Rows of earlier runs into the same folder (other configurations) join.
@@ -163,6 +171,33 @@ def run_serve(args) -> dict[str, Any]:
     return {"machine": machine_info(),
             "args": args_record(args),
             "measurements": rows}
+
+
+WARM_UP_TOKENS = 16
+"""The warm-up pass prefills the passages (into the prefix cache) and
+decodes a few tokens, so that goodput control has timed decode steps before
+the measured pass, as in a serving engine that has run for a while."""
+CONTROL_PREFIX = "vllm:spec_extend_control_"
+
+
+METRICS_LAG_S = 11
+"""SpecExtend's figures reach ``/metrics`` when vLLM logs its stats (every
+10 s by default)."""
+
+
+def control_counters(base: str) -> dict[str, float]:
+    """Goodput control's counters on the server's Prometheus ``/metrics``
+    (summed over labels; none without goodput control), once the last
+    steps' have been published."""
+    time.sleep(METRICS_LAG_S)
+    counters: dict[str, float] = {}
+    for line in requests.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if not line.startswith(CONTROL_PREFIX) or "_bucket" in line or "_created" in line:
+            continue
+        name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+        name = name.removeprefix(CONTROL_PREFIX).removesuffix("_total")
+        counters[name] = counters.get(name, 0.0) + value
+    return counters
 
 
 def served_row(config: str, length: int, concurrency: int, result: dict) -> dict:

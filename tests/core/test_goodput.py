@@ -451,3 +451,20 @@ def test_prompts_nobody_would_draft_for_reach_the_draft_within_the_prompt_budget
     # A 64-token prompt costs 0.32 s of draft; 2% of 2,000 paused steps of
     # 0.07 s buys 9 of the 40.
     assert 2 <= sum(through) <= 10
+
+
+def test_a_prompt_is_not_run_through_the_draft_for_a_number_of_draft_steps_never_timed():
+    # Timed: paused steps (0.05 s + 5 ms a token) and K draft steps (1 s,
+    # never pays). One
+    # or two draft steps were never run, so the model prices them at their
+    # tokens alone: the choice would try them, but that is no reason to pay
+    # a prompt's draft prefill.
+    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    for step in range(20):
+        tokens = 2 + step % 7
+        controller.cost.observe(step_features(tokens, 0, K), 0.05 + 0.005 * tokens)
+    for _ in range(3):
+        controller.cost.observe(step_features(4 + 4 * K, K, K), 1.0)
+    assert controller.cost.predict(step_features(5, 1, K)) < 0.1
+    plan = controller.plan(["new"], np.array([0]), np.array([64]), np.array([1000]), 0.0)
+    assert plan.draft_steps == 0 and not plan.draft_prefill

@@ -87,11 +87,14 @@ class StepCostModel:
         self._moment = np.zeros(num)
         self.weights = np.zeros(num)
         self.observations = 0
+        self.seen = np.zeros(num, dtype=bool)
+        """Features some observed step had."""
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         self._gram = self.forgetting * self._gram + np.outer(features, features)
         self._moment = self.forgetting * self._moment + features * seconds
         self.observations += 1
+        self.seen |= features != 0
         # Scale the ridge with the data so it stays a tie-breaker. It pulls
         # towards the current weights: a cost the recent steps no longer show
         # (a number of draft steps not run for hundreds of paused steps) keeps
@@ -109,6 +112,11 @@ class StepCostModel:
 
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self.weights
+
+    def draft_steps_seen(self) -> np.ndarray:
+        """``[K + 1]`` bool: the numbers of draft steps some observed step
+        ran (0: always)."""
+        return np.concatenate(([True], self.seen[NUM_LINEAR_FEATURES:]))
 
 
 PROBE_SMOOTHING = 0.5
@@ -187,6 +195,7 @@ def choose_draft_lengths(
     hysteresis: float = 0.1,
     must_draft: np.ndarray | None = None,
     resume_seconds: np.ndarray | None = None,
+    draft_steps: np.ndarray | None = None,
 ) -> DraftPlan:
     """The draft lengths that maximise expected goodput for the next step.
 
@@ -205,6 +214,8 @@ def choose_draft_lengths(
             least one token.
         resume_seconds: ``[rows]`` what drafting at all adds to the step for
             a row (its catch-up after a pause, amortised), beyond its tokens.
+        draft_steps: ``[K + 1]`` bool, the numbers of draft steps to
+            consider (None: all).
     """
     rows, max_k = survival.shape
     per_token = cost.weights[1]  # verified_tokens
@@ -214,7 +225,7 @@ def choose_draft_lengths(
     scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
     best = None
     for steps in range(max_k + 1):
-        if must.any() and steps == 0:
+        if (must.any() and steps == 0) or (draft_steps is not None and not draft_steps[steps]):
             continue
         forwards = steps if (steps or free_pause) else 1
         fixed = float(cost.predict(step_features(base_tokens, forwards, cost.max_draft_steps)))
@@ -575,12 +586,17 @@ class GoodputController:
                             num_requests: int) -> bool:
         """Whether a request with prompt tokens in this step (``prompting``)
         would draft at its decode steps beside this batch, caught up and as
-        likely to be accepted as the engine's requests so far."""
+        likely to be accepted as the engine's requests so far. Only numbers
+        of draft steps the engine has timed count, once it has timed one: an
+        untimed one looks free (the choice learns it by trying), which is no
+        reason to pay a prompt's draft prefill."""
         fresh = np.cumprod(self.acceptance.engine_rates)
+        seen = self.cost.draft_steps_seen()
         plan = choose_draft_lengths(
             np.where(prompting[:, None], fresh[None, :], survival), drafting & ~prompting,
             self.cost, num_requests, free_pause=self.free_pause, hysteresis=self.hysteresis,
-            resume_seconds=None if resume is None else np.where(prompting, 0.0, resume))
+            resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
+            draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())
 
     def _resume_seconds(self, states, gaps: np.ndarray | None,
