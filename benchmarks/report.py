@@ -26,8 +26,8 @@ def fmt(value, spec=".2f"):
 CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "draft_model": "tab:blue",
                  "cmr": "tab:red", "streaming": "tab:green", "draft_model_full": "tab:purple",
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
-                 "goodput": "tab:cyan", "always_paused": "lightseagreen", "cmr_every_16": "tab:pink",
-                 "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
+                 "goodput": "tab:cyan", "always_paused": "lightseagreen",
+                 "cmr_every_16": "tab:pink", "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
                  "eagle3_sliding": "darkkhaki", "alone": "dimgray", "private": "firebrick",
                  "in_place": "sandybrown", "unshared": "steelblue"}
 

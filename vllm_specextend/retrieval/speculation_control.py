@@ -115,14 +115,14 @@ class SpeculationControl:
         now = self.clock()
         self._advance_frontiers(req_ids, context_lens)
         prefilling_rows = context_lens < prompt_lens
+        gaps = self._gaps(req_ids, context_lens)
         if self.forced_pause:
             nothing = np.zeros(len(req_ids), dtype=np.int64)
             plan = DraftPlan(nothing, 0, 0.0, nothing)
         else:
             may_probe = np.array([r not in self._deferred for r in req_ids], dtype=bool)
             plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
-                                        catch_up_gaps=self._gaps(req_ids, context_lens),
-                                        may_probe=may_probe)
+                                        catch_up_gaps=gaps, may_probe=may_probe)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
         self._catch_up_limits = (None if plan.catch_up_limits is None
                                  else dict(zip(req_ids, plan.catch_up_limits.tolist())))
@@ -143,8 +143,7 @@ class SpeculationControl:
             behind = np.array([self._frontier[r] for r in req_ids]) < seq_lens
             if runs:
                 limits = plan.catch_up_limits
-                behind &= (False if limits is None
-                           else limits < self._gaps(req_ids, context_lens))
+                behind &= False if limits is None else limits < gaps
             self._keep_lagging_blocks(req_ids, seq_lens, behind)
         if self.trace is not None:
             self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
@@ -181,8 +180,9 @@ class SpeculationControl:
     def _first_stale(self, row: int, context_len: int) -> int:
         """``context_len``, or the start of the first block before it whose
         draft KV is stale (left so, or lagging in a live request)."""
-        if self._blocks is None or not context_len or not (self._stale_blocks
-                                                             or self._lagging_blocks):
+        if self._blocks is None or not context_len:
+            return context_len
+        if not (self._stale_blocks or self._lagging_blocks):
             return context_len
         table, size = self._blocks
         stale = np.fromiter(self._stale_blocks, dtype=np.int64)
