@@ -417,7 +417,9 @@ class GoodputController:
         decoding = seq_lens >= prompt_lens
         drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
         other_tokens = int(np.where(decoding, 0, query_lens).sum())
-        budgets = self._probe_budgets(states, num_requests, other_tokens)
+        paused_step = max(float(self.cost.predict(step_features(
+            num_requests + other_tokens, 0, self.num_speculative_tokens))), 0.0)
+        budgets = self._probe_budgets(states, num_requests, paused_step)
         if may_probe is not None:
             budgets = np.where(may_probe, budgets, 0.0)
         probing = decoding & self._affordable(budgets, 1, num_requests) & np.array(
@@ -434,9 +436,7 @@ class GoodputController:
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests)
         if plan.draft_steps == 0:
-            self._prompt_budget += self.probe_budget * max(
-                float(self.cost.predict(step_features(num_requests + other_tokens, 0,
-                                                      self.num_speculative_tokens))), 0.0)
+            self._prompt_budget += self.probe_budget * paused_step
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
                     survival, drafting, resume, context_lens < prompt_lens, query_lens,
@@ -560,14 +560,13 @@ class GoodputController:
             state.verified_drafts = int(query_len) - 1 if decodes else 0
             state.verified_probe = state.probed
 
-    def _probe_budgets(self, states, num_requests: int, other_tokens: int) -> np.ndarray:
+    def _probe_budgets(self, states, num_requests: int, paused_step: float) -> np.ndarray:
         """``[rows]``: seconds each request's next forced drafts (a probe, an
         exploration) may cost: ``probe_budget`` of its share of the steps it
-        paused in since it last drafted."""
-        paused_step = float(self.cost.predict(step_features(
-            num_requests + other_tokens, 0, self.num_speculative_tokens)))
+        paused in since it last drafted (``paused_step``: this batch's
+        predicted step without drafts)."""
         paused_steps = np.array([s.paused_steps for s in states], dtype=np.float64)
-        return self.probe_budget * max(paused_step, 0.0) / num_requests * paused_steps
+        return self.probe_budget * paused_step / num_requests * paused_steps
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:

@@ -115,7 +115,8 @@ class SpeculationControl:
         now = self.clock()
         self._advance_frontiers(req_ids, context_lens)
         prefilling_rows = context_lens < prompt_lens
-        gaps = self._gaps(req_ids, context_lens)
+        starts = self._frontiers(req_ids)
+        gaps = self._capped(np.maximum(context_lens - starts, 0))
         if self.forced_pause:
             nothing = np.zeros(len(req_ids), dtype=np.int64)
             plan = DraftPlan(nothing, 0, 0.0, nothing)
@@ -140,7 +141,7 @@ class SpeculationControl:
         self._synced = set(req_ids) if runs else set()
         if self._blocks is not None:
             seq_lens = context_lens + query_lens
-            behind = np.array([self._frontier[r] for r in req_ids]) < seq_lens
+            behind = starts < seq_lens
             if runs:
                 limits = plan.catch_up_limits
                 behind &= False if limits is None else limits < gaps
@@ -209,8 +210,8 @@ class SpeculationControl:
         tokens within the plan's limit (the row then stays behind its
         frontier) and, for all rows together, ``budget`` tokens (beyond it,
         and beyond a head's kept positions, holes stay holes)."""
-        full_gaps = self._gaps(req_ids, context_lens, capped=False)
-        gaps = self._gaps(req_ids, context_lens)
+        full_gaps = np.maximum(context_lens - self._frontiers(req_ids), 0)
+        gaps = self._capped(full_gaps)
         if self._catch_up_limits is not None:
             limits = np.array([self._catch_up_limits[r] for r in req_ids], dtype=np.int64)
             behind = limits < gaps
@@ -233,15 +234,14 @@ class SpeculationControl:
         self.controller.record_catch_up(int(gaps.sum()))
         return context_lens - gaps
 
-    def _gaps(self, req_ids: list[str], context_lens: np.ndarray,
-              capped: bool = True) -> np.ndarray:
-        """Per row, the verified tokens its draft KV lacks (``capped``, for a
-        head: at most the positions kept)."""
-        starts = np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
-        gaps = np.maximum(context_lens - starts, 0)
-        if capped and self.max_catch_up is not None:
-            gaps = np.minimum(gaps, self.max_catch_up)
-        return gaps
+    def _frontiers(self, req_ids: list[str]) -> np.ndarray:
+        """Per row, its draft KV frontier (every position before it is right)."""
+        return np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
+
+    def _capped(self, gaps: np.ndarray) -> np.ndarray:
+        """The gaps (verified tokens a row's draft KV lacks) a catch-up can
+        fill: for a head, at most the positions kept."""
+        return gaps if self.max_catch_up is None else np.minimum(gaps, self.max_catch_up)
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Each planned request's slot (``0 .. max_requests - 1``)."""
