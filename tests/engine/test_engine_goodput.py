@@ -188,14 +188,18 @@ def test_prompts_skip_the_draft_once_drafting_does_not_pay(target_model, draft_m
 
 
 def _simulate_device(worker, step: float, per_token: float, per_draft_forward: float) -> None:
-    """The controller's clock as a device with these costs would show it."""
+    """The controller's clock as a device with these costs would show it (a
+    token the draft catches up costs a quarter of one the target verifies)."""
     control = worker.model_runner.drafter.retrieval.control
-    state = {"now": 0.0, "forwards": 0}
+    state = {"now": 0.0, "forwards": 0, "caught_up": 0}
     stock_plan = control.plan
 
     def plan(req_ids, context_lens, query_lens, prompt_lens, *args):
-        state["now"] += step + per_token * int(query_lens.sum()) + \
-            per_draft_forward * state["forwards"]
+        caught_up = control.controller.stats.catch_up_tokens
+        state["now"] += (step + per_token * int(query_lens.sum())
+                         + per_token / 4 * (caught_up - state["caught_up"])
+                         + per_draft_forward * state["forwards"])
+        state["caught_up"] = caught_up
         result, runs = stock_plan(req_ids, context_lens, query_lens, prompt_lens, *args)
         state["forwards"] = result.draft_steps if runs else 0
         return result, runs
@@ -222,6 +226,10 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
         # Verifying a token costs a fifth of a step, a draft forward a tenth:
         # drafting pays when drafts are accepted.
         llm.collective_rpc(_simulate_device, args=(0.010, 0.002, 0.001))
+        # Prompts run through the draft: requests that arrive paused after the
+        # blind run would defer theirs, and a probe catching all of it up
+        # costs more than their budget here (deferral: the tests above).
+        llm.collective_rpc(_defer_prompts, args=(False,))
         before = spec_decode_counters(llm)
         outputs = generate_greedy(llm, prompts, 96)
         assert [list(o.outputs[0].token_ids) for o in outputs] == reference
@@ -231,6 +239,7 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
         outputs = generate_greedy(llm, later_prompts, 320)
         assert [list(o.outputs[0].token_ids) for o in outputs] == later_reference
         seeing_run = counter_deltas(llm.collective_rpc(control_counts)[0], blind_run)
+    print("BLIND", blind_run, "SEEING", seeing_run)
     assert blind_acceptance["num_accepted_tokens"] < 0.5 * blind_acceptance["num_draft_tokens"]
     # Blind: paused but for warm-up, exploration and probes.
     assert blind_run["paused_request_steps"] > 3 * blind_run["drafted_request_steps"]
@@ -258,6 +267,10 @@ def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target
             assert [list(o.outputs[0].token_ids) for o in outputs] == reference
         control = llm.collective_rpc(control_counts)[0]
     assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0
+
+
+def _defer_prompts(worker, defer: bool) -> None:
+    worker.model_runner.drafter.retrieval.control.defer_prompts = defer
 
 
 def _forward_paused_steps(worker, forward: bool) -> None:

@@ -80,7 +80,7 @@ class BlockScript:
     def __init__(self):
         self.control = SpeculationControl(max_requests=4, num_speculative_tokens=K,
                                           free_pause=True, defer_prompts=True)
-        self.may_probe = None
+        self.whole_catch_up = None
 
     def step(self, rows: dict, drafts: dict | None = None, draft_prefill: bool = True,
              budget: int = BUDGET):
@@ -96,8 +96,8 @@ class BlockScript:
         limits = np.where(lengths > 0, UNLIMITED, 0)
         plan = DraftPlan(lengths, int(lengths.max()), 0.0, limits, draft_prefill)
 
-        def scripted_plan(*args, catch_up_gaps, may_probe):
-            self.may_probe = dict(zip(req_ids, may_probe.tolist()))
+        def scripted_plan(*args, catch_up_gaps, whole_catch_up):
+            self.whole_catch_up = dict(zip(req_ids, whole_catch_up.tolist()))
             return plan
 
         self.control.controller.plan = scripted_plan
@@ -116,12 +116,13 @@ def test_a_deferred_prompt_is_caught_up_when_the_request_drafts_on_its_estimates
     assert script.control.controller.stats.deferred_prefill_tokens == 100
     for step in range(5):
         assert script.step({"a": (100 + step, 1, 100, blocks)}) == "skipped"
-    # It is never probed (a probe would read a draft without the prompt).
-    assert script.may_probe == {"a": False}
+    # A probe must catch up all of it (with holes in the prompt it would
+    # not measure the draft).
+    assert script.whole_catch_up == {"a": True}
     # Drafting on its estimates: all of it, from the prompt's start.
     assert script.step({"a": (105, 1, 100, blocks)}, {"a": K}) == {"a": 0}
     assert script.step({"a": (106, 1 + K, 100, blocks)}, {"a": K}) is None
-    assert script.may_probe == {"a": True}
+    assert script.whole_catch_up == {"a": False}
     # A prompt in a step whose plan lets it through runs the draft.
     assert script.step({"a": (110, 1, 100, blocks), "b": (0, 50, 50, [20, 21, 22, 23])}) \
         is None

@@ -288,6 +288,12 @@ MIN_PROBE_CATCH_UP = 8
 """Recent tokens a probe catches up at least (a probe waits until its budget
 covers them)."""
 UNLIMITED = np.iinfo(np.int64).max
+STALL_FACTOR = 4.0
+"""A step of a known kind this many times its prediction is a stall (an idle
+engine), not a cost: the cost model skips it."""
+SLOW_STEP_CLIP = 1.5
+"""A slower step of a known kind is learnt as this many times its prediction
+(winsorised: the model still follows a lasting change, a few percent a step)."""
 
 
 @dataclass
@@ -394,14 +400,15 @@ class GoodputController:
         prompt_lens: np.ndarray,
         now: float,
         catch_up_gaps: np.ndarray | None = None,
-        may_probe: np.ndarray | None = None,
+        whole_catch_up: np.ndarray | None = None,
     ) -> DraftPlan:
         """Draft lengths for the next verification of ``req_ids`` (this step's
         batch: ``context_lens`` computed tokens before this step's
         ``query_lens``; ``catch_up_gaps``: tokens each request's draft KV is
-        behind; ``may_probe``: False for requests whose probes would not
-        measure their draft, as one without its prompt), observing the step
-        just verified first."""
+        behind; ``whole_catch_up``: requests whose forced drafts must catch
+        up all of their gap, as one whose prompt the draft lacks: with holes
+        there a probe would not measure the draft), observing the step just
+        verified first."""
         states = [self._state(req_id) for req_id in req_ids]
         num_requests = len(req_ids)
         seq_lens = context_lens + query_lens
@@ -420,9 +427,13 @@ class GoodputController:
         paused_step = max(float(self.cost.predict(step_features(
             num_requests + other_tokens, 0, self.num_speculative_tokens))), 0.0)
         budgets = self._probe_budgets(states, num_requests, paused_step)
-        if may_probe is not None:
-            budgets = np.where(may_probe, budgets, 0.0)
-        probing = decoding & self._affordable(budgets, 1, num_requests) & np.array(
+        least = np.full(num_requests, MIN_PROBE_CATCH_UP, dtype=np.int64)
+        if whole_catch_up is not None and catch_up_gaps is not None:
+            least = np.where(whole_catch_up, np.maximum(catch_up_gaps, least), least)
+            if not self._catch_up_timed:
+                # Its price unknown, a whole gap is not risked on a probe.
+                budgets = np.where(whole_catch_up, 0.0, budgets)
+        probing = decoding & self._affordable(budgets, 1, num_requests, least) & np.array(
             [s.paused_steps >= (s.probe_after or self.probe_interval) for s in states],
             dtype=bool,
         )
@@ -434,14 +445,15 @@ class GoodputController:
             resume_seconds=resume,
         )
         chosen = plan.draft_lengths
-        plan = self._explore(plan, decoding, budgets, num_requests)
+        plan = self._explore(plan, decoding, budgets, num_requests, least)
         if plan.draft_steps == 0:
             self._prompt_budget += self.probe_budget * paused_step
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
                     survival, drafting, resume, context_lens < prompt_lens, query_lens,
                     num_requests))
-        plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests)
+        plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests,
+                                    least)
         for state, length, probe, decodes, merit in zip(states, plan.draft_lengths, probing,
                                                          decoding, chosen):
             state.drafted = int(length)
@@ -532,8 +544,13 @@ class GoodputController:
             # (A step of a kind not seen lately, a catch-up or a number of
             # draft steps, shows a cost the model has yet to learn.)
             predicted = float(self.cost.predict(features))
-            if predicted > 0 and seconds > 4 * predicted:
+            if predicted > 0 and seconds > STALL_FACTOR * predicted:
                 return  # an idle engine or a stall, not a step's cost
+            if predicted > 0:
+                # One slow step (a request's first retrieval, the host's
+                # hiccup) moves the model as far as a 1.5x one: otherwise
+                # it can price a number of draft steps out for a whole run.
+                seconds = min(seconds, SLOW_STEP_CLIP * predicted)
         self.cost.observe(features, seconds)
         self._catch_up_timed |= self._last_catch_up_tokens > 0
 
@@ -619,38 +636,52 @@ class GoodputController:
         return draft_lengths * weights[1] + forwards[draft_lengths] / num_requests
 
     def _catch_up_seconds(self) -> float:
-        """Seconds per caught-up token: learnt once a catch-up was timed;
-        before, a verified token's (a draft's token costs no more than the
-        target's), so the engine's first probes do not catch up unpriced."""
-        return float(self.cost.weights[2 if self._catch_up_timed else 1])
+        """Seconds per caught-up token: learnt once a catch-up was timed, at
+        most a verified token's (a draft's token costs no more than the
+        target's: one small catch-up's step can put all its noise on its
+        few tokens); before, a verified token's, so resumptions and prompts
+        are not priced as free."""
+        verified = float(self.cost.weights[1])
+        return min(float(self.cost.weights[2]), verified) if self._catch_up_timed else verified
 
-    def _affordable(self, budgets: np.ndarray, draft_steps: int,
-                    num_requests: int) -> np.ndarray:
+    def _forced_catch_up_seconds(self) -> float:
+        """Seconds per token a forced draft's catch-up is priced at: none
+        until a catch-up was timed, since the engine's first forced drafts
+        catch up only ``MIN_PROBE_CATCH_UP`` tokens, which times the price.
+        (A verified token's price overstates it where the steps cannot tell
+        the base from a token: at batch 1, half of a paused step. A whole
+        gap is not forced before: ``plan``'s ``whole_catch_up``.)"""
+        return self._catch_up_seconds() if self._catch_up_timed else 0.0
+
+    def _affordable(self, budgets: np.ndarray, draft_steps: int, num_requests: int,
+                    least: np.ndarray) -> np.ndarray:
         """``[rows]``: the budget covers ``draft_steps`` forced drafts and
-        the least catch-up."""
-        per_catch_up = self._catch_up_seconds()
+        the least catch-up (``least`` tokens)."""
         return budgets >= (self._forced_draft_seconds(draft_steps, num_requests)
-                           + per_catch_up * MIN_PROBE_CATCH_UP)
+                           + self._forced_catch_up_seconds() * least)
 
     def _limit_catch_up(self, plan: DraftPlan, forced: np.ndarray, budgets: np.ndarray,
-                        num_requests: int) -> DraftPlan:
+                        num_requests: int, least: np.ndarray) -> DraftPlan:
         """Catch-up limits: a row drafting on its estimates catches up all of
         its gap, a paused row none, a row drafting by force (probe, warm-up,
-        exploration) what its budget buys beyond its drafts."""
+        exploration) what its budget buys beyond its drafts, and at least
+        ``least`` (only that until a catch-up was timed)."""
         lengths = plan.draft_lengths
         limits = np.where(lengths > 0, UNLIMITED, 0)
         forced = forced & (lengths > 0)
-        per_catch_up = self._catch_up_seconds()
-        if forced.any() and per_catch_up > 0:
+        per_catch_up = self._forced_catch_up_seconds()
+        if forced.any() and not self._catch_up_timed:
+            limits = np.where(forced, least, limits)
+        elif forced.any() and per_catch_up > 0:
             left = budgets - self._forced_draft_seconds(lengths, num_requests)
             affordable = np.floor(np.maximum(left, 0.0) / per_catch_up)
             allowance = np.maximum(np.minimum(affordable, UNLIMITED // 2).astype(np.int64),
-                                   MIN_PROBE_CATCH_UP)
+                                   least)
             limits = np.where(forced, allowance, limits)
         return replace(plan, catch_up_limits=limits)
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
-                 num_requests: int) -> DraftPlan:
+                 num_requests: int, least: np.ndarray) -> DraftPlan:
         """Warm-up: two plans at full K, then two with no drafts; after that,
         every ``explore_interval`` plans, one that departs from the choice:
         every row drafting D (D cycling through 1..K) or, while some rows
@@ -673,7 +704,7 @@ class GoodputController:
         if kind == "draft":
             steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
             rows = decoding & ((plan.draft_lengths > 0)
-                               | self._affordable(budgets, steps, num_requests))
+                               | self._affordable(budgets, steps, num_requests, least))
             if not rows.any():
                 return plan  # until a budget covers it
             plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)

@@ -19,10 +19,11 @@ rest.
 
 Prompts too: when nobody drafts and a caught-up new request would not draft
 either (``DraftPlan.draft_prefill``), a step of prompt chunks skips the
-draft's forward, and the request starts behind (it resumes only on its
-estimates, its catch-up priced). Blocks whose draft KV lacks tokens (deferred
-prompts, pauses, holes) can reach the prefix cache: a request whose cache hit
-holds one starts behind from it, so its draft never reads them as its own.
+draft's forward, and the request starts behind (it resumes on its estimates,
+its catch-up priced, or probes once its budget covers all of its gap).
+Blocks whose draft KV lacks tokens (deferred prompts, pauses, holes) can
+reach the prefix cache: a request whose cache hit holds one starts behind
+from it, so its draft never reads them as its own.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ class SpeculationControl:
         self._frontier: dict[str, int] = {}
         self._synced: set[str] = set()
         self._deferred: set[str] = set()
-        """Requests whose draft prefill was deferred, until caught up (never
-        probed: a probe's catch-up would leave the draft without its prompt)."""
+        """Requests whose draft prefill was deferred, until caught up (a probe
+        catches up all of their gap: with holes in the prompt it would not
+        measure the draft)."""
         self._blocks: tuple[np.ndarray, int] | None = None
         """This step's host block table rows and block size (None: not kept)."""
         self._stale_blocks: set[int] = set()
@@ -121,9 +123,9 @@ class SpeculationControl:
             nothing = np.zeros(len(req_ids), dtype=np.int64)
             plan = DraftPlan(nothing, 0, 0.0, nothing)
         else:
-            may_probe = np.array([r not in self._deferred for r in req_ids], dtype=bool)
+            deferred = np.array([r in self._deferred for r in req_ids], dtype=bool)
             plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
-                                        catch_up_gaps=gaps, may_probe=may_probe)
+                                        catch_up_gaps=gaps, whole_catch_up=deferred)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
         self._catch_up_limits = (None if plan.catch_up_limits is None
                                  else dict(zip(req_ids, plan.catch_up_limits.tolist())))
