@@ -239,7 +239,6 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
         outputs = generate_greedy(llm, later_prompts, 320)
         assert [list(o.outputs[0].token_ids) for o in outputs] == later_reference
         seeing_run = counter_deltas(llm.collective_rpc(control_counts)[0], blind_run)
-    print("BLIND", blind_run, "SEEING", seeing_run)
     assert blind_acceptance["num_accepted_tokens"] < 0.5 * blind_acceptance["num_draft_tokens"]
     # Blind: paused but for warm-up, exploration and probes.
     assert blind_run["paused_request_steps"] > 3 * blind_run["drafted_request_steps"]
