@@ -544,9 +544,9 @@ class GoodputController:
             # (A step of a kind not seen lately, a catch-up or a number of
             # draft steps, shows a cost the model has yet to learn.)
             predicted = float(self.cost.predict(features))
-            if predicted > 0 and seconds > STALL_FACTOR * predicted:
-                return  # an idle engine or a stall, not a step's cost
             if predicted > 0:
+                if seconds > STALL_FACTOR * predicted:
+                    return  # an idle engine or a stall, not a step's cost
                 # One slow step (a request's first retrieval, the host's
                 # hiccup) moves the model as far as a 1.5x one: otherwise
                 # it can price a number of draft steps out for a whole run.
