@@ -1,4 +1,4 @@
-"""SpecExtend for vLLM: long-context draft-model speculative decoding.
+"""SpecExtend for vLLM: Cross-model Retrieval for long-context speculative decoding.
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point in every vLLM
 process. ``register`` is cheap and idempotent and changes nothing unless an

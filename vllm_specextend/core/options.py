@@ -33,7 +33,7 @@ class SpecExtendConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpecExtendConfig:
-    """Options of Cross-model Retrieval for ``draft_model`` speculative decoding.
+    """Options of SpecExtend for speculative decoding (draft model, EAGLE, EAGLE-3, MTP).
 
     Token counts are rounded up to whole KV blocks, because retrieval works by
     removing whole blocks from the draft's block table.
