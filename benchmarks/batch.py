@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
+from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.worker_hooks import (
     control_counts,
@@ -350,9 +350,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         same = "-" if m.same_as_target is None else ("yes" if m.same_as_target else "NO")
         lines.append(
             f"| {m.config} | {m.batch_size} | {m.context_tokens} | {m.output_tok_s:.2f} | "
-            f"{fmt(m.output_tok_s / stock.output_tok_s if stock else None)}x | "
-            f"{fmt(vs_target(m, target))}x | "
-            f"{fmt(m.mean_acceptance_length)} | {fmt(acc)}x | "
+            f"{fmt_ratio(m.output_tok_s / stock.output_tok_s if stock else None)} | "
+            f"{fmt_ratio(vs_target(m, target))} | "
+            f"{fmt(m.mean_acceptance_length)} | {fmt_ratio(acc)} | "
             f"{m.drafted_tokens} / {m.output_tokens} | "
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_s_per_step, '.4f')} | "

@@ -1,151 +1,201 @@
-"""Command line of the benchmarks against stock vLLM on the real models.
+"""Benchmarks of SpecExtend against stock vLLM on the real models.
+
+One mode per run (default: one request at a time; batches with --batch-sizes):
 
     python -m benchmarks                                 # single requests (runs.py)
     python -m benchmarks --batch-sizes 1 4 8             # batches (batch.py)
     python -m benchmarks --serve --concurrency 8         # vllm serve (serve.py)
-    python -m benchmarks --sweep | --needle              # sweep.py, needle.py
-    python -m benchmarks --refresh                       # refresh.py
-    python -m benchmarks --soak                          # soak.py (served, 30 min)
-    python -m benchmarks --document-qa                   # document_qa.py
-    python -m benchmarks --k-trace                       # k_trace.py
-    python -m benchmarks --eagle3                        # eagle3_long.py (EAGLE-3 head)
+    python -m benchmarks --sweep                         # option sweep (sweep.py)
+    python -m benchmarks --needle                        # needle retrieval (needle.py)
+    python -m benchmarks --refresh                       # retrieval refresh (refresh.py)
+    python -m benchmarks --k-trace                       # goodput's K per step (k_trace.py)
+    python -m benchmarks --eagle3                        # EAGLE-3 head (eagle3_long.py)
+    python -m benchmarks --soak                          # served soak, 30 min (soak.py)
+    python -m benchmarks --document-qa                   # one cached document (document_qa.py)
+
+A run writes its tables (JSON, markdown, PNG) and a README.md (command,
+commit, machine, dtype, date) to benchmarks/results-local/MODE, which git
+ignores; --out or --name choose another folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
 
 from benchmarks.corpus import CORPUS_DIR
 from benchmarks.machine import fast_dtype, machine_info
 from benchmarks.needle import run_needle, write_needle
-from benchmarks.report import RESULTS_DIR
+from benchmarks.report import LOCAL_RESULTS_DIR, record_run
 from benchmarks.runs import run_benchmark, write_results
 from benchmarks.sweep import run_sweep, write_sweep
 
+MODES = {
+    "single": "one request at a time, one engine per configuration (runs.py)",
+    "batch": "N passages per LLM.generate call for each N of --batch-sizes (batch.py)",
+    "serve": "vllm serve per configuration, measured with vllm bench serve (serve.py)",
+    "sweep": "retrieval options one at a time (sweep.py)",
+    "needle": "needle retrieval: draft acceptance on a hidden pass key (needle.py)",
+    "refresh": "retrieval refresh: fixed interval against acceptance drops (refresh.py)",
+    "k-trace": "goodput control's drafts per request and step, one batch (k_trace.py)",
+    "eagle3": "an EAGLE-3 head on long inputs: stock full attention, sliding window, cmr, "
+              "streaming, goodput (eagle3_long.py)",
+    "soak": "vllm serve with cmr at compact positions under a mixed load with faults, "
+            "then every completed request replayed alone (soak.py)",
+    "document-qa": "questions on one cached document: private layouts, in place, "
+                   "without prefix caching, alone (document_qa.py)",
+}
+"""Mode name (also the default results folder) -> what it measures."""
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
+MODES_WITH_BATCH_SIZES = ("batch", "eagle3")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in --help, except where the default depends on the mode (None)
+    or is an off switch; the module docstring keeps its line breaks."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or isinstance(action, argparse._StoreConstAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=HelpFormatter)
+    modes = parser.add_argument_group(
+        "mode", "one at most; without one: single requests, or batches with --batch-sizes")
+    mode = modes.add_mutually_exclusive_group()
+    for name in MODES:
+        if name not in ("single", "batch"):
+            mode.add_argument(f"--{name}", dest="mode", action="store_const", const=name,
+                              help=MODES[name])
+
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", default="qwen2.5-coder-1.5b",
                         help="local path, hub id, or a short name from benchmarks.real_models")
-    parser.add_argument("--draft", default=None,
+    models.add_argument("--draft", default=None,
                         help="the draft model (default qwen2.5-coder-0.5b), or with --method "
                              "eagle/eagle3 the EAGLE head (--eagle3: default the head "
                              "scripts/make_eagle_head.sh trains)")
-    parser.add_argument("--method", default="draft_model",
+    models.add_argument("--method", default="draft_model",
                         choices=["draft_model", "eagle", "eagle3"],
                         help="speculative method of --draft; the draft_model configuration "
                              "is stock drafting with it")
-    parser.add_argument("--heterogeneous-vocab", action="store_true",
+    models.add_argument("--heterogeneous-vocab", action="store_true",
                         help="draft with its own tokenizer (use_heterogeneous_vocab)")
-    parser.add_argument("--corpus", type=Path, nargs="+", default=None,
-                        help="texts or folders of texts (default the shipped corpus; "
-                             "--eagle3: the novel the head's training held out)")
-    parser.add_argument("--offset", type=int, default=100_000,
-                        help="character offset of the passages in the corpus")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help="context lengths (default 1024 4096 8192; --sweep: 4096 8192; "
-                             "--eagle3: 1024 4096 8192 16384; --soak: the long prompts, "
-                             "4096 8192 16384)")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, default=None,
-                        help="num_speculative_tokens (default 4; --eagle3: the head's "
-                             "training-time test depth)")
-    parser.add_argument("--draft-window", type=int, default=None,
-                        help="cap the draft's window (speculative_config max_model_len) in "
-                             "every draft configuration but draft_model_full (--soak: "
-                             "default 2048, compact positions)")
-    parser.add_argument("--configs", nargs="+", default=None,
-                        help="default target, draft_model, cmr, streaming; batched and "
-                             "served modes "
-                             "also goodput (cmr with speculation_control goodput), "
-                             "always_paused (batched: goodput forced to pause every "
-                             "request, its floor on the same engine), target_sync (the "
-                             "target alone, synchronous scheduler) and "
-                             "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
-                             "requests also draft_model_full, ngram; --eagle3: target, "
-                             "eagle3_full, eagle3_sliding, cmr, streaming, goodput (all by "
-                             "default)")
-    parser.add_argument("--spec-extend", default=None,
-                        help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
-    parser.add_argument("--dtype", default="auto",
+    models.add_argument("--dtype", default="auto",
                         help="model dtype; auto: bfloat16 where this CPU has fast bf16 "
-                             "matmuls (AVX-512 BF16/AMX, or a GPU), else float32")
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--kv-cache-gib", type=int, default=3)
-    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                             "matmuls (AVX-512 BF16/AMX, or a GPU), else float32 "
+                             "(--soak: float32)")
+
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--corpus", type=Path, nargs="+", default=None,
+                          help="texts or folders of texts (default the shipped corpus; "
+                               "--eagle3: the novel the head's training held out)")
+    workload.add_argument("--offset", type=int, default=100_000,
+                          help="character offset of the passages in the corpus")
+    workload.add_argument("--lengths", type=int, nargs="+", default=None,
+                          help="context lengths in tokens (default 1024 4096 8192; --sweep: "
+                               "4096 8192; --eagle3: 1024 4096 8192 16384; --soak: the long "
+                               "prompts, 4096 8192 16384; --document-qa: 8192)")
+    workload.add_argument("--max-tokens", type=int, default=96,
+                          help="greedy output tokens per request")
+    workload.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                          help="batches: N passages per LLM.generate call for each N, e.g. "
+                               "--batch-sizes 1 4 8 (also --eagle3: default 1 4)")
+    workload.add_argument("--concurrency", type=int, default=8,
+                          help="--serve / --soak: prompts and --max-concurrency; "
+                               "--document-qa: questions")
+
+    configs = parser.add_argument_group("configurations")
+    configs.add_argument("--configs", nargs="+", default=None,
+                         help="default target, draft_model, cmr, streaming; batches and "
+                              "--serve also goodput (cmr with speculation_control goodput), "
+                              "always_paused (batches: goodput forced to pause every "
+                              "request, its floor on the same engine), target_sync (the "
+                              "target alone, synchronous scheduler) and "
+                              "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
+                              "requests also draft_model_full, ngram; --eagle3: target, "
+                              "eagle3_full, eagle3_sliding, cmr, streaming, goodput (all by "
+                              "default)")
+    configs.add_argument("--k", type=int, default=None,
+                         help="num_speculative_tokens (default 4; --eagle3: the head's "
+                              "training-time test depth)")
+    configs.add_argument("--spec-extend", default=None,
+                         help="JSON spec_extend options for cmr/streaming (defaults otherwise)")
+    configs.add_argument("--draft-window", type=int, default=None,
+                         help="cap the draft's window (speculative_config max_model_len) in "
+                              "every draft configuration but draft_model_full (--soak, "
+                              "--document-qa: default 2048, compact positions)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="KV cache block size in tokens (default vLLM's: 128 on CPU)")
+    engine.add_argument("--kv-cache-gib", type=int, default=3,
+                        help="KV cache size per engine (kv_cache_memory_bytes), GiB")
+    engine.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="enforce_eager (torch.compile start-up is slow on 2 cores)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="run the option sweep (defaults: 4K and 8K) instead")
-    parser.add_argument("--sweep-points", default=None,
-                        help="JSON list of option dicts to sweep instead of the built-in "
-                             "points, each applied on top of --spec-extend")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                        help="batched mode: N passages per LLM.generate call for each N "
-                             "(benchmarks/batch.py), e.g. --batch-sizes 1 4 8")
-    parser.add_argument("--serve", action="store_true",
-                        help="served mode: vllm serve per configuration, measured with "
-                             "vllm bench serve (benchmarks/serve.py)")
-    parser.add_argument("--concurrency", type=int, default=8,
-                        help="served mode: prompts and --max-concurrency")
-    parser.add_argument("--needle", action="store_true",
-                        help="run the needle-retrieval benchmark instead")
-    parser.add_argument("--needle-length", type=int, default=4096)
-    parser.add_argument("--needle-tokens", type=int, default=12)
-    parser.add_argument("--document-qa", action="store_true",
-                        help="questions on one cached document (the first --lengths, "
-                             "--concurrency questions): cmr at compact positions alone, "
-                             "batched with private layouts, in place and without prefix "
-                             "caching (benchmarks/document_qa.py; default --draft-window "
-                             "2048)")
-    parser.add_argument("--soak", action="store_true",
-                        help="served soak: vllm serve with cmr and compact positions under "
-                             "a mixed load with faults, then every completed request "
-                             "replayed alone (benchmarks/soak.py; default float32)")
-    parser.add_argument("--soak-minutes", type=float, default=30)
-    parser.add_argument("--soak-tokens", type=int, default=32,
-                        help="greedy tokens per soak request")
-    parser.add_argument("--soak-replay-minutes", type=float, default=15,
-                        help="time for replaying the soak's completed requests alone")
-    parser.add_argument("--refresh", action="store_true",
-                        help="run the retrieval-refresh benchmark (fixed interval against "
-                             "acceptance drops) instead")
-    parser.add_argument("--refresh-length", type=int, default=4096)
-    parser.add_argument("--refresh-tokens", type=int, default=320,
-                        help="tokens generated for each two-paragraph copy")
-    parser.add_argument("--k-trace", action="store_true",
-                        help="goodput control's drafts per request and step, for one batch "
-                             "of --lengths (one request each), instead")
-    parser.add_argument("--eagle3", action="store_true",
-                        help="an EAGLE-3 head on long inputs (stock full attention, sliding "
-                             "window, cmr, streaming, goodput; default --batch-sizes 1 4) "
-                             "instead")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="--eagle3 / batches: open every engine at once and run each "
+    engine.add_argument("--rounds", type=int, default=1,
+                        help="batches / --eagle3: open every engine at once and run each "
                              "point this many times, the engines taking turns; report each "
                              "configuration's median round (for hosts whose speed drifts; "
                              "needs memory for all engines)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="--eagle3: leave out batches of more prompt tokens than this "
-                             "(the smallest batch always runs)")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--name", default=None,
-                        help="results folder under benchmarks/results "
-                             "(default: main, sweep, needle, refresh, k-trace, eagle3, batch "
-                             "or serve)")
+
+    per_mode = parser.add_argument_group("mode options")
+    per_mode.add_argument("--sweep-points", default=None,
+                          help="--sweep: JSON list of option dicts to sweep instead of the "
+                               "built-in points, each applied on top of --spec-extend")
+    per_mode.add_argument("--needle-length", type=int, default=4096,
+                          help="--needle: context tokens around the pass key")
+    per_mode.add_argument("--needle-tokens", type=int, default=12,
+                          help="--needle: greedy tokens of each answer")
+    per_mode.add_argument("--refresh-length", type=int, default=4096,
+                          help="--refresh: context tokens")
+    per_mode.add_argument("--refresh-tokens", type=int, default=320,
+                          help="--refresh: tokens generated for each two-paragraph copy")
+    per_mode.add_argument("--max-batch-tokens", type=int, default=None,
+                          help="--eagle3: leave out batches of more prompt tokens than this "
+                               "(the smallest batch always runs)")
+    per_mode.add_argument("--soak-minutes", type=float, default=30,
+                          help="--soak: minutes of load")
+    per_mode.add_argument("--soak-tokens", type=int, default=32,
+                          help="--soak: greedy tokens per request")
+    per_mode.add_argument("--soak-replay-minutes", type=float, default=15,
+                          help="--soak: time for replaying the completed requests alone")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--name", default=None,
+                        help="results folder under benchmarks/results-local (untracked; "
+                             "default: the mode's name)")
+    output.add_argument("--out", type=Path, default=None,
+                        help="results folder (overrides --name); committed results live "
+                             "in benchmarks/results, indexed in benchmarks/README.md")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.eagle3:
+    if args.mode is None:
+        args.mode = "batch" if args.batch_sizes else "single"
+    elif args.batch_sizes and args.mode not in MODES_WITH_BATCH_SIZES:
+        parser.error(f"--batch-sizes applies to batches and --eagle3, not --{args.mode}")
+    if args.mode == "eagle3":
         args.method = "eagle3"
         args.batch_sizes = args.batch_sizes or [1, 4]
         args.configs = args.configs or ["target", "eagle3_full", "eagle3_sliding", "cmr",
                                         "streaming", "goodput"]
     args.configs = args.configs or ["target", "draft_model", "cmr", "streaming"]
-    args.lengths = args.lengths or (
-        [4096, 8192] if args.sweep else [1024, 4096, 8192, 16384] if args.eagle3
-        else [4096, 8192, 16384] if args.soak else [8192] if args.document_qa
-        else [1024, 4096, 8192])
-    if args.soak or args.document_qa:
+    args.lengths = args.lengths or {
+        "sweep": [4096, 8192], "eagle3": [1024, 4096, 8192, 16384],
+        "soak": [4096, 8192, 16384], "document-qa": [8192],
+    }.get(args.mode, [1024, 4096, 8192])
+    if args.mode in ("soak", "document-qa"):
         args.draft_window = args.draft_window or 2048
     return args
 
@@ -162,12 +212,53 @@ def use_all_cores() -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def run_mode(args, out_dir: Path, title: str) -> tuple[str, str]:
+    """Run ``args.mode``; return its table and the files it wrote."""
+    if args.mode == "single":
+        return write_results(run_benchmark(args), out_dir, title), "results.{json,md,png}"
+    if args.mode == "sweep":
+        return write_sweep(run_sweep(args), out_dir, title), "sweep.{json,md}"
+    if args.mode == "needle":
+        return write_needle(run_needle(args), out_dir), "needle.{json,md,png}"
+    if args.mode == "batch":
+        from benchmarks.batch import run_batch, write_batch
+
+        return write_batch(run_batch(args), out_dir, title), "results.{json,md,png}"
+    if args.mode == "serve":
+        from benchmarks.serve import run_serve, write_serve
+
+        return write_serve(run_serve(args), out_dir, title), "results.{json,md,png}"
+    if args.mode == "eagle3":
+        from benchmarks.eagle3_long import run_eagle3, write_eagle3
+
+        return write_eagle3(run_eagle3(args), out_dir, title), "eagle3.{json,md,png}"
+    if args.mode == "k-trace":
+        from benchmarks.k_trace import run_k_trace, write_k_trace
+
+        return write_k_trace(run_k_trace(args), out_dir, title), "k_trace.{json,md,png}"
+    if args.mode == "refresh":
+        from benchmarks.refresh import run_refresh, write_refresh
+
+        return write_refresh(run_refresh(args), out_dir, title), "refresh.{json,md,png}"
+    if args.mode == "document-qa":
+        from benchmarks.document_qa import run_document_qa, write_document_qa
+
+        return (write_document_qa(run_document_qa(args), out_dir, title),
+                "document_qa.{json,md,png}")
+    if args.mode == "soak":
+        from benchmarks.soak import run_soak, write_soak
+
+        return write_soak(run_soak(args), out_dir, title), "soak.{json,md,png}"
+    raise AssertionError(f"unknown mode {args.mode!r}")
+
+
 def main(argv=None) -> None:
+    command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     args = parse_args(argv)
     from benchmarks.real_models import resolve_model
 
     args.target = resolve_model(args.target)
-    if args.eagle3:
+    if args.mode == "eagle3":
         from benchmarks.eagle_head import HELD_OUT_NOVEL, default_head_dir, head_draft_length
 
         args.draft = args.draft or str(default_head_dir(args.target))
@@ -176,7 +267,7 @@ def main(argv=None) -> None:
     args.draft = resolve_model(args.draft or "qwen2.5-coder-0.5b")
     args.corpus = args.corpus or [CORPUS_DIR]
     args.k = args.k or 4
-    if args.soak:
+    if args.mode == "soak":
         # Batched and solo outputs are compared token for token: float32.
         args.dtype = "float32" if args.dtype == "auto" else args.dtype
     if args.dtype == "auto":
@@ -185,16 +276,11 @@ def main(argv=None) -> None:
     # step timeout (300 s) would kill the engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     use_all_cores()
-    name = args.name or ("sweep" if args.sweep else "eagle3" if args.eagle3
-                         else "needle" if args.needle else "soak" if args.soak
-                         else "document-qa" if args.document_qa
-                         else "refresh" if args.refresh else "k-trace" if args.k_trace
-                         else "batch" if args.batch_sizes else "serve" if args.serve
-                         else "main")
-    out_dir = args.out or RESULTS_DIR / name
-    if args.refresh:
+    out_dir = args.out or LOCAL_RESULTS_DIR / (args.name or args.mode)
+    args.out = out_dir  # served modes write their server logs there
+    if args.mode == "refresh":
         args.max_tokens = args.refresh_tokens  # the longest answer, in the title
-    if args.soak:
+    if args.mode == "soak":
         args.max_tokens = args.soak_tokens
     machine = machine_info()
     window = f" (window {args.draft_window})" if args.draft_window else ""
@@ -203,61 +289,12 @@ def main(argv=None) -> None:
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_model']}, {machine['cpu_capability']}"
              f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")
-    if args.eagle3:
-        from benchmarks.eagle3_long import run_eagle3, write_eagle3
-
-        print(write_eagle3(run_eagle3(args), out_dir, title))
-        print(f"\nresults: {out_dir}/eagle3.{{json,md,png}}")
-        return
-    if args.sweep:
-        print(write_sweep(run_sweep(args), out_dir, title))
-        print(f"\nresults: {out_dir}/sweep.{{json,md}}")
-        return
-    if args.serve:
-        from benchmarks.serve import run_serve, write_serve
-
-        args.out = out_dir
-        print(write_serve(run_serve(args), out_dir, title))
-        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
-        return
-    if args.batch_sizes:
-        from benchmarks.batch import run_batch, write_batch
-
-        print(write_batch(run_batch(args), out_dir, title))
-        print(f"\nresults: {out_dir}/results.{{json,md,png}}")
-        return
-    if args.k_trace:
-        from benchmarks.k_trace import run_k_trace, write_k_trace
-
-        print(write_k_trace(run_k_trace(args), out_dir, title))
-        print(f"\nresults: {out_dir}/k_trace.{{json,md,png}}")
-        return
-    if args.refresh:
-        from benchmarks.refresh import run_refresh, write_refresh
-
-        print(write_refresh(run_refresh(args), out_dir, title))
-        print(f"\nresults: {out_dir}/refresh.{{json,md,png}}")
-        return
-    if args.document_qa:
-        from benchmarks.document_qa import run_document_qa, write_document_qa
-
-        print(write_document_qa(run_document_qa(args), out_dir, title))
-        print(f"\nresults: {out_dir}/document_qa.{{json,md,png}}")
-        return
-    if args.soak:
-        from benchmarks.soak import run_soak, write_soak
-
-        args.out = out_dir
-        print(write_soak(run_soak(args), out_dir, title))
-        print(f"\nresults: {out_dir}/soak.{{json,md,png}}")
-        return
-    if args.needle:
-        print(write_needle(run_needle(args), out_dir))
-        print(f"\nresults: {out_dir}/needle.{{json,md,png}}")
-        return
-    table = write_results(run_benchmark(args), out_dir, title)
+    started = time.time()
+    table, files = run_mode(args, out_dir, title)
+    record_run(out_dir, mode=args.mode, description=MODES[args.mode], command=command,
+               title=title, machine=machine, dtype=args.dtype, started=started)
     print(table)
-    print(f"\nresults: {out_dir}/results.{{json,md,png}}")
+    print(f"\nresults: {out_dir}/{files} and README.md")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import struct
 from pathlib import Path
 
 from benchmarks.batch import plot_by_batch_size
-from benchmarks.report import RESULTS_DIR, fmt
+from benchmarks.report import RESULTS_DIR, fmt, fmt_ratio
 from benchmarks.runs import scheduled_k
 
 H100_SXM_BYTES_PER_S = 3.35e12
@@ -148,7 +148,7 @@ def projection_table(projections: list[dict]) -> str:
         lines.append(f"| {p['config']} | {p['batch_size']} | {p['context_tokens']} | "
                      f"{p['acceptance_length']:.2f} | {p['tokens_per_step']:.2f} | "
                      f"{p['step_ms']:.2f} | {p['tok_s']:.0f} | "
-                     f"{fmt(p['tok_s'] / ref['tok_s'] if ref else None)}x |")
+                     f"{fmt_ratio(p['tok_s'] / ref['tok_s'] if ref else None)} |")
     return "\n".join(lines)
 
 

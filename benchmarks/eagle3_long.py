@@ -46,7 +46,7 @@ from benchmarks.batch import (
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
+from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.runs import engine_max_model_len
 
 EAGLE3_CONFIGS = ("target", "eagle3_full", "eagle3_sliding", "cmr", "streaming", "goodput")
@@ -209,7 +209,7 @@ def eagle3_table(measurements: list[BatchMeasurement]) -> str:
         same = "-" if m.same_as_target is None else ("yes" if m.same_as_target else "NO")
         lines.append(
             f"| {m.batch_size} | {m.context_tokens} | {m.config} | {m.output_tok_s:.2f} | "
-            f"{fmt(vs_target(m, target))}x | "
+            f"{fmt_ratio(vs_target(m, target))} | "
             f"{fmt(m.mean_acceptance_length)} | " + "".join(f"{c} | " for c in cells)
             + f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "

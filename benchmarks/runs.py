@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import args_record, config_color, fmt, pyplot, save_figure
+from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.worker_hooks import install_timers, read_timers, run_deltas, spec_counters
 
 # The configurations of a run, by name: spec_extend options (None: no
@@ -242,7 +242,7 @@ def markdown_table(measurements: list[Measurement]) -> str:
                      if m.agreement_fraction is not None else "-")
         lines.append(
             f"| {m.config} | {m.context_tokens} | {m.prefill_s:.1f} | {m.decode_tok_s:.2f} | "
-            f"{fmt(speedup)}x | {fmt(m.mean_acceptance_length)} | {fmt(acceptance)}x | "
+            f"{fmt_ratio(speedup)} | {fmt(m.mean_acceptance_length)} | {fmt_ratio(acceptance)} | "
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_overhead_pct, '.2f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "

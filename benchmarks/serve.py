@@ -31,7 +31,7 @@ from benchmarks.batch import plot_by_batch_size
 from benchmarks.corpus import load_corpus
 from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
-from benchmarks.report import args_record, fmt
+from benchmarks.report import args_record, fmt, fmt_ratio
 from benchmarks.runs import K_BY_BATCH_SIZE
 
 SERVE_CONFIGS = ("target", "draft_model", "cmr", "streaming", "cmr_k_by_batch", "goodput")
@@ -226,7 +226,7 @@ def serve_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['config']} | {r['batch_size']} | {r['context_tokens']} | "
             f"{r['output_tok_s']:.2f} | {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | "
-            f"{fmt(r['median_tpot_ms'] / ref['median_tpot_ms'] if ref else None)}x | "
+            f"{fmt_ratio(r['median_tpot_ms'] / ref['median_tpot_ms'] if ref else None)} | "
             f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
             f"{fmt(r['mean_acceptance_length'])} | "
             f"{fmt(r['drafted_tokens'], 'd')} / {r['output_tokens']} |")
