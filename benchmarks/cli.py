@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -253,7 +254,7 @@ def run_mode(args, out_dir: Path, title: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> None:
-    command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
     args = parse_args(argv)
     from benchmarks.real_models import resolve_model
 
