@@ -6,6 +6,9 @@
 #   bash examples/serve.sh                              # Qwen2.5-Coder 1.5B + 0.5B draft, cmr
 #   SPEC_EXTEND='{"speculation_control": "goodput"}' bash examples/serve.sh
 #   bash examples/serve.sh --max-model-len 32768        # more `vllm serve` arguments
+#
+# Environment: TARGET, DRAFT, METHOD (draft_model, eagle, eagle3), K, SPEC_EXTEND (JSON),
+# PORT, SERVED_NAME.
 set -euo pipefail
 TARGET="${TARGET:-Qwen/Qwen2.5-Coder-1.5B-Instruct}"
 DRAFT="${DRAFT:-Qwen/Qwen2.5-Coder-0.5B-Instruct}"
