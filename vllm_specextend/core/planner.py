@@ -472,7 +472,9 @@ class RetrievalPlanner:
         )
         self._selected_blocks[due_slots, :num_blocks] = keep
         if config.score_aggregation == "accepted_tokens":
-            self._score_sums[due_slots] = 0.0
+            # A fill through device indices (a Python scalar through an
+            # index would be copied to the device, blocking).
+            self._score_sums.index_fill_(0, due_slots, 0.0)
         for row, cause in zip(step.due_rows, step.due_causes):
             state = self._requests[batch.req_ids[row]]
             state.has_selection = True
@@ -594,7 +596,7 @@ class RetrievalPlanner:
         if accumulate:
             self._score_sums[slots, :width] += scores[:, :width]
         else:
-            self._score_sums[slots] = 0.0
+            self._score_sums.index_fill_(0, slots, 0.0)
             self._score_sums[slots, :width] = scores[:, :width]
 
     def _chunk_scores(
