@@ -83,15 +83,23 @@ class IndexStager:
     def __call__(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """``values`` as an int64 device tensor (valid until this set of
         rows comes round again, ``depth`` steps on)."""
-        if self._used == self.lists_per_step:
+        return self.stage(values)[0]
+
+    def stage(self, *lists: list[int] | np.ndarray) -> list[torch.Tensor]:
+        """Several lists with one copy (their rows are contiguous)."""
+        first = self._used
+        if first + len(lists) > self.lists_per_step:
             raise RuntimeError(
                 f"more than {self.lists_per_step} index lists staged in one step"
             )
-        index = self._used
-        self._used += 1
-        count = len(values)
-        self._host_np[self._set, index, :count] = values
-        staged = self._device[self._set, index, :count]
+        self._used += len(lists)
+        rows = self._host_np[self._set]
+        for index, values in enumerate(lists, start=first):
+            rows[index, :len(values)] = values
+        end = first + len(lists)
         if self._device is not self._host:
-            staged.copy_(self._host[self._set, index, :count], non_blocking=True)
-        return staged
+            self._device[self._set, first:end].copy_(self._host[self._set, first:end],
+                                                     non_blocking=True)
+        device_rows = self._device[self._set]
+        return [device_rows[index, :len(values)]
+                for index, values in enumerate(lists, start=first)]
