@@ -530,16 +530,7 @@ class RetrievalPlanner:
             # A fill through device indices (a Python scalar through an
             # index would be copied to the device, blocking).
             self._score_sums.index_fill_(0, due_slots, 0.0)
-        self._has_selection[step.due_slots] = True
-        self._steps_since_retrieval[step.due_slots] = 0
-        np.add.at(self._refresh_counts, (step.due_slots, step.due_causes), 1)
-        for cause, count in zip(REFRESH_CAUSES, np.bincount(
-                step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
-            self.stats.refreshes[cause] += count
-        if config.retrieval_refresh == "acceptance":
-            for row, cause in zip(step.due_rows.tolist(), step.due_causes.tolist()):
-                self._requests[batch.req_ids[row]].acceptance.new_selection(
-                    REFRESH_CAUSES[cause])
+        self._note_retrievals(batch, step)
         if not self.compact_positions:
             return []
         # Kept context before the query: at most the working cache.
@@ -547,6 +538,19 @@ class RetrievalPlanner:
             self.block_size, self.max_num_speculative_tokens
         )
         return [WorkingCacheRewrite(due, working_cache)]
+
+    def _note_retrievals(self, batch: PlanningBatch, step: _StepRows) -> None:
+        """Host bookkeeping of the rows that retrieved: new selections, by cause."""
+        self._has_selection[step.due_slots] = True
+        self._steps_since_retrieval[step.due_slots] = 0
+        np.add.at(self._refresh_counts, (step.due_slots, step.due_causes), 1)
+        for cause, count in zip(REFRESH_CAUSES, np.bincount(
+                step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
+            self.stats.refreshes[cause] += count
+        if self.config.retrieval_refresh == "acceptance":
+            for row, cause in zip(step.due_rows.tolist(), step.due_causes.tolist()):
+                self._requests[batch.req_ids[row]].acceptance.new_selection(
+                    REFRESH_CAUSES[cause])
 
     def _lay_out_windowed_prefill(
         self,
