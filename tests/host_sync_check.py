@@ -28,7 +28,9 @@ wait for the device or copy host memory synchronously:
 
 An op is allowed when a frame of its Python stack is in ``allow`` (set-up,
 metrics pulls), as ``"module:qualname"``; :attr:`HostSyncCheck.allowed`
-counts what each entry let through.
+counts what each entry let through, and an allowed read that meta cannot
+answer gets zeros (so a metrics pull completes). ``int()`` / ``.item()`` of a
+meta tensor raise before dispatch: a test fails on them all the same.
 
 What this cannot see: syncs inside CUDA-only code (Triton kernels, CUDA
 graphs, custom ops that do not run on meta), and ops that run on the host

@@ -24,9 +24,9 @@ ALLOWED = {
     # Set-up: buffers and constants made once, before serving.
     "vllm_specextend.core.counters:DeviceHistogram.__init__",
     "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__",
-    # Metrics pulls: read the device counters, outside the engine step.
+    # Metrics pulls: read the device counters, outside the engine step
+    # (goodput control's counters live on the host).
     "vllm_specextend.core.planner:RetrievalPlanner.metrics_snapshot",
-    "vllm_specextend.retrieval.speculation_control:SpeculationControl.metrics_snapshot",
 }
 
 

@@ -243,6 +243,10 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
     assert control.controller.stats.skipped_draft_forwards == 2
     assert proposer.retrieval.planner.stats.retrievals > 0
     assert (proposer.retrieval.kv_copy is not None) == (draft_window < MAX_MODEL_LEN)
+    # Set-up and the metrics pull read the device, as allowed.
+    expected = ALLOWED if draft_window < MAX_MODEL_LEN else ALLOWED - {
+        "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__"}
+    assert set(check.allowed) == expected
     assert (proposer.retrieval.paused_hidden is not None) == (method != "draft_model")
 
 
