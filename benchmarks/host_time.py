@@ -62,6 +62,9 @@ CONTROL_PARTS = {
     "control_plan_rest": "goodput: frontiers and blocks (speculation_control.py plan)",
     "catch_up_starts": "goodput: catch_up_starts",
 }
+EXCLUDED_TENSOR_WORK = "stats_device_ops"
+"""Device ops inside the planner's bookkeeping (a leaving request's figures
+folded into the device histograms): timed and subtracted."""
 PART_COLORS = {
     "_forget_requests_not_in": "tab:pink", "_classify_rows": "tab:red", "_stage": "tab:orange",
     "_note_retrievals": "goldenrod", "controller_plan": "tab:blue",
@@ -70,21 +73,29 @@ PART_COLORS = {
 
 
 class _Timers:
-    """Seconds per call of wrapped methods, this step."""
+    """Seconds spent in wrapped methods this step, each exclusive of the
+    wrapped methods it calls."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = {}
+        self._open: list[str] = []
 
     def wrap(self, owner, name: str, label: str | None = None) -> None:
         method = getattr(owner, name)
         label = label or name
 
         def timed(*args, **kwargs):
+            self._open.append(label)
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.step[label] = self.step.get(label, 0.0) + time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self._open.pop()
+                self.step[label] = self.step.get(label, 0.0) + seconds
+                if self._open:
+                    caller = self._open[-1]
+                    self.step[caller] = self.step.get(caller, 0.0) - seconds
 
         setattr(owner, name, timed)
 
@@ -172,6 +183,8 @@ def measure(args) -> dict:
     timers = _Timers()
     for name in PLANNER_PARTS:
         timers.wrap(planner, name)
+    for name in ("finish_request", "clear_slot"):
+        timers.wrap(planner.stats, name, EXCLUDED_TENSOR_WORK)
     torch_scoring = planner._chunk_scores
 
     def stub_scoring(rows_t, batch, max_context_len, num_query_rows):
@@ -235,6 +248,8 @@ def measure(args) -> dict:
         "goodput_python_ms": _summary(control_ms),
         "together_ms": _summary(planner_ms + control_ms),
         "planner_plan_on_meta_ms": _summary(np.array(plan_totals) * 1e3),
+        "excluded_stats_device_ops_ms": _summary(
+            np.array([s.get(EXCLUDED_TENSOR_WORK, 0.0) for s in steps]) * 1e3),
         "planner_tensor_ops_per_step": op_counts[0] if op_counts else None,
         "torch_scoring_ops_per_step": torch_scoring_ops,
         "drafted_request_steps": stats.drafted_request_steps,
@@ -245,15 +260,16 @@ def measure(args) -> dict:
 
 GOODPUT_FUNCTIONS = {
     "control": ("_advance_frontiers", "_keep_lagging_blocks"),
-    "controller": ("_observe_cost", "_observe_acceptance", "_probe_budgets",
+    "controller": ("finish", "_observe_cost", "_observe_acceptance", "_probe_budgets",
                    "_resume_seconds", "_explore", "_limit_catch_up"),
 }
 
 
 def goodput_breakdown(args) -> dict:
     """Goodput control alone, the same steps again, with its functions timed
-    one by one (what is left of the controller's ``plan``: its own lines,
-    per-request loops and list comprehensions among them)."""
+    one by one, each exclusive of the others (``controller_plan``: its own
+    lines, per-request loops and list comprehensions among them;
+    ``control_plan``: ``SpeculationControl.plan``'s own lines)."""
     from vllm_specextend.core import goodput
 
     control = SpeculationControl(args.batch, args.k, free_pause=True, synced_lead=1,
@@ -266,6 +282,7 @@ def goodput_breakdown(args) -> dict:
     for name in GOODPUT_FUNCTIONS["controller"]:
         timers.wrap(control.controller, name)
     timers.wrap(control.controller, "plan", "controller_plan")
+    timers.wrap(control, "plan", "control_plan")
     stock_choice = goodput.choose_draft_lengths
     timers.wrap(goodput, "choose_draft_lengths")
     max_blocks = -(-(2 * args.context + 2048) // BLOCK_SIZE)
@@ -284,13 +301,9 @@ def goodput_breakdown(args) -> dict:
     finally:
         goodput.choose_draft_lengths = stock_choice
     names = ["controller_plan", "choose_draft_lengths", *GOODPUT_FUNCTIONS["controller"],
-             *GOODPUT_FUNCTIONS["control"]]
-    medians = {name: float(np.median([s.get(name, 0.0) for s in steps]) * 1e3)
-               for name in names}
-    inside = ["choose_draft_lengths", *GOODPUT_FUNCTIONS["controller"]]
-    medians["controller_plan_own_lines"] = float(np.median(
-        [s["controller_plan"] - sum(s.get(n, 0.0) for n in inside) for s in steps]) * 1e3)
-    return medians
+             "control_plan", *GOODPUT_FUNCTIONS["control"]]
+    return {name: float(np.median([s.get(name, 0.0) for s in steps]) * 1e3)
+            for name in names}
 
 
 def _count_torch_scoring_ops(planner, torch_scoring, requests, args, max_blocks) -> int:
@@ -306,8 +319,8 @@ def _count_torch_scoring_ops(planner, torch_scoring, requests, args, max_blocks)
 
 
 def _summary(values: np.ndarray) -> dict:
-    return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90)),
-            "mean": float(values.mean())}
+    return {"median": float(np.median(values)), "p10": float(np.percentile(values, 10)),
+            "p90": float(np.percentile(values, 90)), "mean": float(values.mean())}
 
 
 def _machine() -> dict:
@@ -346,7 +359,10 @@ def report(results: dict) -> str:
         "",
         f"{args['steps']} steps after {args['warmup']} of warm-up. Device work excluded: the "
         "planner runs on the meta device with scoring stubbed, and each part is timed around "
-        "the method that does it; goodput control is numpy only.",
+        "the method that does it (exclusive of the device ops it calls); goodput control is "
+        "numpy only. Load average (1 min) at the start: "
+        f"{results['machine']['load_average_1m']:.1f} on {results['machine']['cpu_count']} "
+        "CPUs (a shared machine: medians are the figures to read).",
         "",
         "| part | median ms | p90 ms | mean ms |",
         "|---|---:|---:|---:|",
@@ -365,6 +381,10 @@ def report(results: dict) -> str:
         f"- The planner's whole `plan()` on meta (its tensor ops dispatched to meta kernels, "
         f"scoring stubbed): median {r['planner_plan_on_meta_ms']['median']:.3f} ms; meta "
         "kernels are not CUDA launches, so this is not a CUDA figure.",
+        f"- Excluded from the planner's parts: the device ops that fold a leaving request's "
+        f"figures into the device histograms (on meta: median "
+        f"{r['excluded_stats_device_ops_ms']['median']:.3f} ms, p90 "
+        f"{r['excluded_stats_device_ops_ms']['p90']:.3f} ms).",
         f"- Tensor ops the planner issues per step (scoring stubbed): "
         f"{r['planner_tensor_ops_per_step']}; the torch scoring path for "
         f"{max(1, args['batch'] // args['retrieval_interval'])} due rows: "
