@@ -406,7 +406,7 @@ def report(results: dict) -> str:
 def plot(results: dict, path: Path) -> None:
     plt = pyplot()
     r = results["measurement"]
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     left = 0.0
     for name, part in r["parts"].items():
         ax.barh(["median per step"], [part["median_ms"]], left=left, color=PART_COLORS[name],
@@ -414,7 +414,7 @@ def plot(results: dict, path: Path) -> None:
         left += part["median_ms"]
     ax.axvline(BAR_MS, color="black", linestyle="--", label=f"bar: {BAR_MS} ms")
     ax.set_xlabel("host ms per step")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2)
     args = results["args"]
     save_figure(fig, path, f"Host time per step, batch {args['batch']}, "
                            f"{results['machine']['cpu_model']}")
