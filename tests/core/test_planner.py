@@ -4,7 +4,6 @@ the draft's view of their KV cache is (no engine)."""
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 from vllm_specextend.core.options import SpecExtendConfig
