@@ -54,3 +54,11 @@ def test_staging_buffers_are_told_from_pageable_memory():
     from vllm_specextend.core import staging
 
     assert address not in staging._STAGING_STORAGES
+
+
+def test_lists_staged_together_keep_their_values_and_count_against_the_step():
+    stager = IndexStager(max_len=4, device=torch.device("cpu"), lists_per_step=3)
+    first, second, empty = stager.next_step().stage([1, 2], torch.tensor([3]).numpy(), [])
+    assert (first.tolist(), second.tolist(), empty.tolist()) == ([1, 2], [3], [])
+    with pytest.raises(RuntimeError, match="more than 3 index lists"):
+        stager([0])
