@@ -450,12 +450,11 @@ class RetrievalPlanner:
     def _slots_of_rows(self, req_ids: list[str], rows: np.ndarray,
                        track: bool = False) -> np.ndarray:
         """The request slots of ``rows`` (``track``: new requests get one)."""
-        names = req_ids if len(rows) == len(req_ids) else [req_ids[r] for r in rows.tolist()]
-        slots = np.fromiter(map(self._slot_of.get, names, itertools.repeat(-1)),
-                            dtype=np.int64, count=len(names))
+        slots = np.fromiter(map(self._slot_of.get, req_ids, itertools.repeat(-1)),
+                            dtype=np.int64, count=len(req_ids))[rows]
         if track:
             for index in np.flatnonzero(slots < 0).tolist():
-                slots[index] = self._track(names[index]).slot
+                slots[index] = self._track(req_ids[rows[index]]).slot
         return slots
 
     def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, steps: np.ndarray,
