@@ -4,7 +4,6 @@ the draft's view of their KV cache is (no engine)."""
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 from vllm_specextend.core.options import SpecExtendConfig
@@ -108,50 +107,6 @@ def to_device(batch: PlanningBatch, device) -> PlanningBatch:
              for name in ("query_start_loc", "seq_lens", "block_table", "last_token_indices",
                           "positions")}
     return PlanningBatch(**{**batch.__dict__, **moved})
-
-
-@pytest.mark.parametrize("options", [
-    {"mode": "cmr"},
-    {"mode": "cmr", "score_aggregation": "accepted_tokens"},
-    {"mode": "streaming", "draft_window": 1024},  # compact positions, windowed prefill
-    {"mode": "cmr", "draft_window": 1024},  # and the last prompt chunk's retrieval
-])
-def test_planning_never_reads_the_device_from_the_host(options, monkeypatch):
-    # On the meta device every host read (.item(), .tolist(), .cpu(), bool(),
-    # a mask index) raises; torch.tensor(list, device=...) is refused below.
-    # Planning must work from device tensors plus the host's numpy arrays.
-    from vllm_specextend.core.target_tap import TargetAttentionTap
-
-    meta = torch.device("meta")
-    options = dict(options)
-    draft_window = options.pop("draft_window", 4096)
-    config = SpecExtendConfig(min_context_tokens=1024, sink_tokens=16, recent_tokens=64,
-                              chunk_size=32, top_k_chunks=2, retrieval_interval=2, **options)
-    planner = RetrievalPlanner(config, max_num_reqs=8, max_model_len=4096,
-                               max_num_speculative_tokens=K, draft_window=draft_window,
-                               compact_positions=draft_window < 4096, device=meta)
-    layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=16)
-    planner.allocate_scoring_workspace(layer, torch.float32)
-    planner.bind_kv_cache(
-        TargetAttentionTap(num_slots=5 * 256 * BLOCK_SIZE, max_num_tokens=1024, num_heads=4,
-                           num_kv_heads=2, head_dim=16, scale=0.25, dtype=torch.float32,
-                           device=meta),
-        BLOCK_SIZE,
-    )
-    real_tensor = torch.tensor
-
-    def host_only_tensor(data, *args, device=None, **kwargs):
-        assert device is None or torch.device(device).type == "cpu", (
-            "torch.tensor(list, device=...) waits for the copy to the device"
-        )
-        return real_tensor(data, *args, device=device, **kwargs)
-
-    monkeypatch.setattr(torch, "tensor", host_only_tensor)
-    for step in range(3):
-        rows = dict(ROWS, context_lens=[c + step for c in ROWS["context_lens"]])
-        view = planner.plan(to_device(planning_batch(**rows), meta))
-        assert view is not None and view.block_table.device == meta
-    assert sorted(planner._requests) == ["full_k", "reduced_k"]
 
 
 def test_mode_off_drafts_stock_and_drops_request_state():

@@ -37,3 +37,28 @@ def test_planner_stages_with_the_engines_steps_in_flight():
 
     assert planner(1)._index_stager.depth == 2
     assert planner(3)._index_stager.depth == 3
+
+
+def test_staging_buffers_are_told_from_pageable_memory():
+    # Where nothing can be pinned (CPU builds) the host sync check accepts
+    # non_blocking copies only from buffers registered as staging memory.
+    from vllm_specextend.core.staging import host_staging_buffer, is_staging_memory
+
+    buffer = host_staging_buffer((2, 8), torch.int64)
+    assert is_staging_memory(buffer) and is_staging_memory(buffer[1, 2:5])
+    assert buffer.is_pinned() == torch.cuda.is_available()
+    assert not is_staging_memory(torch.zeros(2, 8, dtype=torch.int64))
+    assert is_staging_memory(IndexStager(4, torch.device("meta"))._host)
+    address = buffer.untyped_storage().data_ptr()
+    del buffer
+    from vllm_specextend.core import staging
+
+    assert address not in staging._STAGING_STORAGES
+
+
+def test_lists_staged_together_keep_their_values_and_count_against_the_step():
+    stager = IndexStager(max_len=4, device=torch.device("cpu"), lists_per_step=3)
+    first, second, empty = stager.next_step().stage([1, 2], torch.tensor([3]).numpy(), [])
+    assert (first.tolist(), second.tolist(), empty.tolist()) == ([1, 2], [3], [])
+    with pytest.raises(RuntimeError, match="more than 3 index lists"):
+        stager([0])

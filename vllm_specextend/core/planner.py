@@ -15,6 +15,7 @@ prefills (compact positions), rewrite the block table, and record.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import torch
 
 from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend, refresh_cause
+from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
 from vllm_specextend.core.repositioning import streaming_recent_start_block
 from vllm_specextend.core.scoring import (
     ScoringWorkspace,
@@ -122,45 +123,60 @@ class PrivateLayouts:
     blocks_per_area: int
 
 
+_NO_REFRESH = -1
+_FIRST, _INTERVAL, _ACCEPTANCE = (REFRESH_CAUSES.index(c)
+                                  for c in ("first", "interval", "acceptance"))
+
+
 @dataclass
 class _RequestState:
     slot: int
+    refresh_counts: np.ndarray
+    """``[len(REFRESH_CAUSES)]``: its row of the planner's per-slot counts."""
     area: int = -1
     """Its private layout area (-1: laid out in place)."""
-    decoded: bool = False
-    """Tracked since a decode step (else only through windowed prefill)."""
-    steps_since_retrieval: int = 0
-    has_selection: bool = False
     acceptance: AcceptanceTrend = field(default_factory=AcceptanceTrend)
-    refreshes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFRESH_CAUSES, 0))
-    """Retrievals by cause."""
+    """Observed only with ``retrieval_refresh: acceptance``."""
+
+    @property
+    def refreshes(self) -> dict[str, int]:
+        """Retrievals by cause."""
+        return dict(zip(REFRESH_CAUSES, self.refresh_counts.tolist()))
+
+
+def _rows() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass
 class _StepRows:
-    """This step's rows, classified on the host (no device reads)."""
+    """This step's rows (numpy arrays of batch rows), classified on the host
+    (no device reads)."""
 
-    retrieval_rows: list[int] = field(default_factory=list)
+    retrieval_rows: np.ndarray = field(default_factory=_rows)
     """Decode rows drafted through a selection."""
-    due_rows: list[int] = field(default_factory=list)
+    retrieval_slots: np.ndarray = field(default_factory=_rows)
+    """Their request slots."""
+    due_rows: np.ndarray = field(default_factory=_rows)
     """Retrieval rows whose selection is recomputed this step."""
-    due_causes: list[str] = field(default_factory=list)
-    """Why each due row retrieves (``REFRESH_CAUSES``)."""
-    windowed_prefill_rows: list[int] = field(default_factory=list)
+    due_slots: np.ndarray = field(default_factory=_rows)
+    due_causes: np.ndarray = field(default_factory=_rows)
+    """Why each due row retrieves (an index into ``REFRESH_CAUSES``)."""
+    windowed_prefill_rows: np.ndarray = field(default_factory=_rows)
     """Compact positions: prompt chunks beyond the draft's window, prefilled
     over the sink and the most recent blocks."""
-    last_prompt_chunk_rows: list[int] = field(default_factory=list)
+    last_prompt_chunk_rows: np.ndarray = field(default_factory=_rows)
     """cmr with compact positions: the windowed prompt chunks that end the
     prompt; they also attend to the chunks the target's attention picks, so
     the first drafts after the prompt already see them."""
     seq_lens: np.ndarray | None = None
     """``[num_reqs]``: context length including this step's query."""
-    private_rows: list[int] = field(default_factory=list)
+    private_rows: np.ndarray = field(default_factory=_rows)
     """Rows with a private layout area (retrieval and windowed prefill)."""
 
     @property
     def empty(self) -> bool:
-        return not self.retrieval_rows and not self.windowed_prefill_rows
+        return not self.retrieval_rows.size and not self.windowed_prefill_rows.size
 
 
 @dataclass
@@ -204,7 +220,15 @@ class RetrievalPlanner:
         self.device = device
         self.stats = RetrievalStats(max_requests=max_num_reqs, device=device)
         self._requests: dict[str, _RequestState] = {}
+        self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs))
+        # Per request slot, on the host: classification is numpy over these.
+        self._decoded = np.zeros(max_num_reqs, dtype=bool)
+        """Tracked since a decode step (else only through windowed prefill)."""
+        self._steps_since_retrieval = np.zeros(max_num_reqs, dtype=np.int64)
+        self._has_selection = np.zeros(max_num_reqs, dtype=bool)
+        self._area_of_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        self._refresh_counts = np.zeros((max_num_reqs, len(REFRESH_CAUSES)), dtype=np.int64)
         self._max_num_reqs = max_num_reqs
         self._sum_over_ranks = sum_over_ranks
         self.tap: TargetAttentionTap | None = None
@@ -300,24 +324,24 @@ class RetrievalPlanner:
             num_rows, batch.block_table.shape[1], dtype=torch.bool, device=self.device
         )
         rewrites: list[WorkingCacheRewrite] = []
-        if step.due_rows:
+        if step.due_rows.size:
             rewrites += self._retrieve(batch, step, staged, first_query_pos)
-        if step.retrieval_rows:
+        if step.retrieval_rows.size:
             assert self._selected_blocks is not None
             num_blocks = self._num_blocks(batch)
             keep[staged.rows, :num_blocks] = self._selected_blocks[staged.slots, :num_blocks]
-        if step.windowed_prefill_rows:
+        if step.windowed_prefill_rows.size:
             rewrites += self._lay_out_windowed_prefill(
                 batch, step, keep, first_query_pos, query_lens
             )
         compact, removed = rewrite_block_table(
             batch.block_table[:num_rows], keep, self.block_size
         )
-        if step.retrieval_rows:
+        if step.retrieval_rows.size:
             self._record(batch, staged, query_lens, removed)
         kept_context_lens = first_query_pos - removed[:num_reqs]
         kept_block_table = None
-        if step.private_rows:
+        if step.private_rows.size:
             kept_block_table = compact
             compact = self._swap_in_private_blocks(
                 batch, step, compact, kept_context_lens)
@@ -342,13 +366,13 @@ class RetrievalPlanner:
         ones, which only this request writes, stay in place."""
         layouts = self.private_layouts
         assert layouts is not None
-        states = [self._requests[batch.req_ids[r]] for r in step.private_rows]
+        private_slots = self._slots_of_rows(batch.req_ids, step.private_rows)
         rows = self._index_stager(step.private_rows)
-        slots = self._index_stager([s.slot for s in states])
+        slots = self._index_stager(private_slots)
         first_blocks = self._index_stager(
-            [layouts.first_block + s.area * layouts.blocks_per_area for s in states])
-        laid_out = set(step.due_rows) | set(step.windowed_prefill_rows)
-        rewritten = self._index_stager([r in laid_out for r in step.private_rows])
+            layouts.first_block + self._area_of_slot[private_slots] * layouts.blocks_per_area)
+        laid_out = np.concatenate((step.due_rows, step.windowed_prefill_rows))
+        rewritten = self._index_stager(np.isin(step.private_rows, laid_out))
         context_blocks = (kept_context_lens[rows] // self.block_size).clamp(
             max=layouts.blocks_per_area)
         self._private_blocks[slots] = torch.where(
@@ -362,14 +386,16 @@ class RetrievalPlanner:
         return swapped
 
     def _classify_rows(self, batch: PlanningBatch) -> _StepRows:
-        """Host-side: which rows retrieve, which are due, which prefill
-        windowed; tracks new requests and drops prefilling ones."""
+        """Host-side, numpy over per-slot state: which rows retrieve, which
+        are due, which prefill windowed; tracks new requests and drops
+        prefilling ones."""
         config = self.config
         k = self.max_num_speculative_tokens
-        is_decode = decode_rows(
-            batch.query_lens_cpu, batch.context_lens_cpu, batch.prompt_lens_cpu, k
-        )
-        seq_lens = np.asarray(batch.context_lens_cpu) + np.asarray(batch.query_lens_cpu)
+        query_lens = np.asarray(batch.query_lens_cpu)
+        context_lens = np.asarray(batch.context_lens_cpu)
+        prompt_lens = np.asarray(batch.prompt_lens_cpu)
+        is_decode = decode_rows(query_lens, context_lens, prompt_lens, k)
+        seq_lens = context_lens + query_lens
         # Prefill rows get no retrieval: the draft writes their KV once, and
         # would keep KV computed from partial context for good.
         eligible = is_decode & (seq_lens >= max(config.min_context_tokens, 1))
@@ -377,48 +403,76 @@ class RetrievalPlanner:
         beyond_window = seq_lens + k > self.draft_window
         if self.compact_positions:
             eligible |= is_decode & beyond_window
-        ends_prompt = seq_lens >= np.asarray(batch.prompt_lens_cpu)
-
-        acceptance_drop = (config.acceptance_drop
-                           if config.retrieval_refresh == "acceptance" else None)
         step = _StepRows(seq_lens=seq_lens)
-        for row, req_id in enumerate(batch.req_ids):
-            if not eligible[row]:
-                if not is_decode[row]:
-                    windowed = self.compact_positions and beyond_window[row]
-                    self._forget_unless_prefilling(req_id, windowed)
-                    if windowed:
-                        step.windowed_prefill_rows.append(row)
-                        if config.mode == "cmr" and ends_prompt[row]:
-                            step.last_prompt_chunk_rows.append(row)
-                        self._add_private_row(step, row, req_id)
-                continue
-            state = self._requests.get(req_id) or self._track(req_id)
-            state.decoded = True
-            if state.area >= 0:
-                step.private_rows.append(row)
-            state.steps_since_retrieval += 1
-            state.acceptance.observe(int(batch.context_lens_cpu[row]),
-                                     int(batch.query_lens_cpu[row]), state.steps_since_retrieval)
-            step.retrieval_rows.append(row)
-            cause = refresh_cause(state.has_selection, state.steps_since_retrieval,
-                                  state.acceptance, config.retrieval_interval, acceptance_drop)
-            if cause is not None:
-                step.due_rows.append(row)
-                step.due_causes.append(cause)
+        if not is_decode.all():
+            self._classify_prompt_chunks(batch, step, is_decode, beyond_window,
+                                         seq_lens >= prompt_lens)
+
+        rows = np.flatnonzero(eligible)
+        slots = self._slots_of_rows(batch.req_ids, rows, track=True)
+        self._decoded[slots] = True
+        self._steps_since_retrieval[slots] += 1
+        steps = self._steps_since_retrieval[slots]
+        # As core.refresh.refresh_cause: first, then interval, then acceptance.
+        causes = np.where(~self._has_selection[slots], _FIRST, np.where(
+            steps >= config.retrieval_interval, _INTERVAL, _NO_REFRESH))
+        if config.retrieval_refresh == "acceptance":
+            self._acceptance_refreshes(batch, rows, steps, causes)
+        due = causes != _NO_REFRESH
+        step.retrieval_rows, step.retrieval_slots = rows, slots
+        step.due_rows, step.due_slots, step.due_causes = rows[due], slots[due], causes[due]
+        private = rows[self._area_of_slot[slots] >= 0]
+        if step.private_rows.size:
+            private = np.sort(np.concatenate((private, step.private_rows)))
+        step.private_rows = private
         return step
 
+    def _classify_prompt_chunks(self, batch: PlanningBatch, step: _StepRows,
+                                is_decode: np.ndarray, beyond_window: np.ndarray,
+                                ends_prompt: np.ndarray) -> None:
+        """Prompt chunks (few rows a step): a request starts over, or, with
+        compact positions beyond the window, prefills windowed."""
+        windowed_rows, last_chunk_rows, private_rows = [], [], []
+        for row in np.flatnonzero(~is_decode).tolist():
+            req_id = batch.req_ids[row]
+            windowed = self.compact_positions and bool(beyond_window[row])
+            self._forget_unless_prefilling(req_id, windowed)
+            if windowed:
+                windowed_rows.append(row)
+                if self.config.mode == "cmr" and ends_prompt[row]:
+                    last_chunk_rows.append(row)
+                if self._has_private_area(req_id):
+                    private_rows.append(row)
+        step.windowed_prefill_rows = np.array(windowed_rows, dtype=np.int64)
+        step.last_prompt_chunk_rows = np.array(last_chunk_rows, dtype=np.int64)
+        step.private_rows = np.array(private_rows, dtype=np.int64)
+
+    def _slots_of_rows(self, req_ids: list[str], rows: np.ndarray,
+                       track: bool = False) -> np.ndarray:
+        """The request slots of ``rows`` (``track``: new requests get one)."""
+        slots = np.fromiter(map(self._slot_of.get, req_ids, itertools.repeat(-1)),
+                            dtype=np.int64, count=len(req_ids))[rows]
+        if track:
+            for index in np.flatnonzero(slots < 0).tolist():
+                slots[index] = self._track(req_ids[rows[index]]).slot
+        return slots
+
+    def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, steps: np.ndarray,
+                              causes: np.ndarray) -> None:
+        """``retrieval_refresh: acceptance``: observe each row's acceptance
+        and mark the rows whose acceptance dropped (a loop over the rows:
+        this option only)."""
+        drop = self.config.acceptance_drop
+        for index, row in enumerate(rows.tolist()):
+            trend = self._requests[batch.req_ids[row]].acceptance
+            trend.observe(int(batch.context_lens_cpu[row]), int(batch.query_lens_cpu[row]),
+                          int(steps[index]))
+            if causes[index] == _NO_REFRESH and trend.dropped(drop):
+                causes[index] = _ACCEPTANCE
+
     def _stage(self, batch: PlanningBatch, step: _StepRows) -> _StagedRows:
-        stage = self._index_stager.next_step()
-        slot_of_row = {
-            row: self._requests[batch.req_ids[row]].slot for row in step.retrieval_rows
-        }
-        return _StagedRows(
-            rows=stage(step.retrieval_rows),
-            slots=stage([slot_of_row[r] for r in step.retrieval_rows]),
-            due=stage(step.due_rows),
-            due_slots=stage([slot_of_row[r] for r in step.due_rows]),
-        )
+        return _StagedRows(*self._index_stager.next_step().stage(
+            step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots))
 
     def _num_blocks(self, batch: PlanningBatch) -> int:
         assert self._selected_blocks is not None
@@ -429,7 +483,7 @@ class RetrievalPlanner:
         (``last_token``) or every retrieval row (``accepted_tokens``)."""
         accumulate = self.config.score_aggregation == "accepted_tokens"
         score_rows = step.retrieval_rows if accumulate else step.due_rows
-        if not score_rows:
+        if not score_rows.size:
             return
         assert step.seq_lens is not None
         self._accumulate_scores(
@@ -472,14 +526,10 @@ class RetrievalPlanner:
         )
         self._selected_blocks[due_slots, :num_blocks] = keep
         if config.score_aggregation == "accepted_tokens":
-            self._score_sums[due_slots] = 0.0
-        for row, cause in zip(step.due_rows, step.due_causes):
-            state = self._requests[batch.req_ids[row]]
-            state.has_selection = True
-            state.steps_since_retrieval = 0
-            state.acceptance.new_selection(cause)
-            state.refreshes[cause] += 1
-            self.stats.refreshes[cause] += 1
+            # A fill through device indices (a Python scalar through an
+            # index would be copied to the device, blocking).
+            self._score_sums.index_fill_(0, due_slots, 0.0)
+        self._note_retrievals(batch, step)
         if not self.compact_positions:
             return []
         # Kept context before the query: at most the working cache.
@@ -487,6 +537,19 @@ class RetrievalPlanner:
             self.block_size, self.max_num_speculative_tokens
         )
         return [WorkingCacheRewrite(due, working_cache)]
+
+    def _note_retrievals(self, batch: PlanningBatch, step: _StepRows) -> None:
+        """Host bookkeeping of the rows that retrieved: new selections, by cause."""
+        self._has_selection[step.due_slots] = True
+        self._steps_since_retrieval[step.due_slots] = 0
+        np.add.at(self._refresh_counts, (step.due_slots, step.due_causes), 1)
+        for cause, count in zip(REFRESH_CAUSES, np.bincount(
+                step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
+            self.stats.refreshes[cause] += count
+        if self.config.retrieval_refresh == "acceptance":
+            for row, cause in zip(step.due_rows.tolist(), step.due_causes.tolist()):
+                self._requests[batch.req_ids[row]].acceptance.new_selection(
+                    REFRESH_CAUSES[cause])
 
     def _lay_out_windowed_prefill(
         self,
@@ -501,12 +564,12 @@ class RetrievalPlanner:
         the chunk that ends the prompt also attends to the top-k chunks of
         the target's attention from the prompt's last token."""
         assert step.seq_lens is not None
-        last_chunks = set(step.last_prompt_chunk_rows)
-        streaming_rows = [r for r in step.windowed_prefill_rows if r not in last_chunks]
-        if streaming_rows:
+        streaming_rows = step.windowed_prefill_rows[
+            ~np.isin(step.windowed_prefill_rows, step.last_prompt_chunk_rows)]
+        if streaming_rows.size:
             self._lay_out_prefill_rows(batch, streaming_rows, step.seq_lens, keep,
                                        first_query_pos, query_lens, top_k_chunks=0)
-        if step.last_prompt_chunk_rows:
+        if step.last_prompt_chunk_rows.size:
             self._lay_out_prefill_rows(
                 batch, step.last_prompt_chunk_rows, step.seq_lens, keep, first_query_pos,
                 query_lens, top_k_chunks=self._top_k_chunks_beside_prompt_chunk(
@@ -526,7 +589,7 @@ class RetrievalPlanner:
     def _lay_out_prefill_rows(
         self,
         batch: PlanningBatch,
-        rows: list[int],
+        rows: np.ndarray,
         seq_lens: np.ndarray,
         keep: torch.Tensor,
         first_query_pos: torch.Tensor,
@@ -594,7 +657,7 @@ class RetrievalPlanner:
         if accumulate:
             self._score_sums[slots, :width] += scores[:, :width]
         else:
-            self._score_sums[slots] = 0.0
+            self._score_sums.index_fill_(0, slots, 0.0)
             self._score_sums[slots, :width] = scores[:, :width]
 
     def _chunk_scores(
@@ -638,28 +701,36 @@ class RetrievalPlanner:
             "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
             "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
             "requests": {
-                req_id: {"retrievals": sum(state.refreshes.values()),
-                         "refreshes": dict(state.refreshes),
+                req_id: {"retrievals": int(state.refresh_counts.sum()),
+                         "refreshes": state.refreshes,
                          **self.stats.request_figures(state.slot)}
                 for req_id, state in self._requests.items()
             },
         }
 
     def _track(self, req_id: str) -> _RequestState:
-        state = _RequestState(slot=self._free_slots.pop())
+        slot = self._free_slots.pop()
+        state = _RequestState(slot=slot, refresh_counts=self._refresh_counts[slot])
         if self.private_layouts is not None:
             if self._free_areas:
                 state.area = self._free_areas.pop()
             else:
                 self.layouts_in_place += 1
+        self._decoded[slot] = False
+        self._steps_since_retrieval[slot] = 0
+        self._has_selection[slot] = False
+        self._area_of_slot[slot] = state.area
+        state.refresh_counts[:] = 0
         self._requests[req_id] = state
+        self._slot_of[req_id] = slot
         return state
 
     def _forget(self, req_id: str, finished: bool = True) -> None:
         state = self._requests.pop(req_id, None)
         if state is None:
             return
-        if finished and state.decoded:
+        del self._slot_of[req_id]
+        if finished and self._decoded[state.slot]:
             self.stats.finish_request(state.slot)
         else:
             self.stats.clear_slot(state.slot)
@@ -672,19 +743,20 @@ class RetrievalPlanner:
         recomputes), except that with private layouts a windowed prefill
         keeps the state (and area) its earlier chunks made."""
         state = self._requests.get(req_id)
-        if state is None or not windowed or self.private_layouts is None or state.decoded:
+        if (state is None or not windowed or self.private_layouts is None
+                or self._decoded[state.slot]):
             self._forget(req_id)
 
-    def _add_private_row(self, step: _StepRows, row: int, req_id: str) -> None:
+    def _has_private_area(self, req_id: str) -> bool:
         """With private layouts, a windowed prefill is tracked for its area."""
         if self.private_layouts is None:
-            return
+            return False
         state = self._requests.get(req_id) or self._track(req_id)
-        if state.area >= 0:
-            step.private_rows.append(row)
+        return state.area >= 0
 
     def _forget_requests_not_in(self, req_ids: list[str]) -> None:
         """Free the state of finished, aborted or preempted requests."""
-        live = set(req_ids)
-        for req_id in [r for r in self._requests if r not in live]:
+        gone = self._requests.keys() - set(req_ids)
+        # In tracking order: slots are freed (and reused) deterministically.
+        for req_id in [r for r in self._requests if r in gone] if gone else ():
             self._forget(req_id)

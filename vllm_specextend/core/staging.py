@@ -1,8 +1,43 @@
-"""Host-built index lists as device tensors, without a host sync."""
+"""Host-built index lists as device tensors, without a host sync.
+
+A ``non_blocking`` copy to the device is asynchronous only from page-locked
+(pinned) host memory; from pageable memory (a numpy array, a fresh CPU
+tensor) CUDA copies synchronously. Per-step host data therefore goes through
+buffers allocated once by :func:`host_staging_buffer`.
+"""
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
+
+_STAGING_STORAGES: set[int] = set()
+"""Storage addresses of live staging buffers (see :func:`is_staging_memory`)."""
+
+
+def pin_memory_available() -> bool:
+    """Pinned host memory needs an accelerator's allocator (CPU builds have
+    none); as vLLM's ``is_pin_memory_available`` on CUDA."""
+    return torch.cuda.is_available()
+
+
+def host_staging_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer that ``non_blocking`` copies to the device read
+    asynchronously: pinned where pinning exists. Registered, so a check on a
+    CPU-only build, where nothing can be pinned, tells it from pageable
+    memory (``tests/host_sync_check.py``)."""
+    buffer = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory_available())
+    address = buffer.untyped_storage().data_ptr()
+    _STAGING_STORAGES.add(address)
+    weakref.finalize(buffer, _STAGING_STORAGES.discard, address)
+    return buffer
+
+
+def is_staging_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a view too) lies in pinned memory or a staging buffer."""
+    return tensor.is_pinned() or tensor.untyped_storage().data_ptr() in _STAGING_STORAGES
 
 
 class IndexStager:
@@ -18,15 +53,21 @@ class IndexStager:
 
     MAX_INDEX_LISTS_PER_STEP = 16
 
-    def __init__(self, max_len: int, device: torch.device, depth: int = 2) -> None:
+    def __init__(self, max_len: int, device: torch.device, depth: int = 2,
+                 lists_per_step: int = MAX_INDEX_LISTS_PER_STEP) -> None:
+        """
+        Args:
+            max_len: longest list staged.
+            lists_per_step: lists staged between two ``next_step`` calls.
+        """
         if depth < 2:
             raise ValueError(f"IndexStager depth must be >= 2, got {depth}")
-        shape = (depth, self.MAX_INDEX_LISTS_PER_STEP, max_len)
+        shape = (depth, lists_per_step, max_len)
         on_host = device.type == "cpu"
         self.depth = depth
-        self._host = torch.zeros(
-            shape, dtype=torch.int64, pin_memory=not on_host and torch.cuda.is_available()
-        )
+        self.lists_per_step = lists_per_step
+        self._host = (torch.zeros(shape, dtype=torch.int64) if on_host
+                      else host_staging_buffer(shape, torch.int64))
         self._host_np = self._host.numpy()
         self._device = (
             self._host if on_host else torch.zeros(shape, dtype=torch.int64, device=device)
@@ -39,16 +80,26 @@ class IndexStager:
         self._used = 0
         return self
 
-    def __call__(self, values: list[int]) -> torch.Tensor:
-        if self._used == self.MAX_INDEX_LISTS_PER_STEP:
+    def __call__(self, values: list[int] | np.ndarray) -> torch.Tensor:
+        """``values`` as an int64 device tensor (valid until this set of
+        rows comes round again, ``depth`` steps on)."""
+        return self.stage(values)[0]
+
+    def stage(self, *lists: list[int] | np.ndarray) -> list[torch.Tensor]:
+        """Several lists with one copy (their rows are contiguous)."""
+        first = self._used
+        if first + len(lists) > self.lists_per_step:
             raise RuntimeError(
-                f"more than {self.MAX_INDEX_LISTS_PER_STEP} index lists staged in one step"
+                f"more than {self.lists_per_step} index lists staged in one step"
             )
-        index = self._used
-        self._used += 1
-        count = len(values)
-        self._host_np[self._set, index, :count] = values
-        staged = self._device[self._set, index, :count]
+        self._used += len(lists)
+        rows = self._host_np[self._set]
+        for index, values in enumerate(lists, start=first):
+            rows[index, :len(values)] = values
+        end = first + len(lists)
         if self._device is not self._host:
-            staged.copy_(self._host[self._set, index, :count], non_blocking=True)
-        return staged
+            self._device[self._set, first:end].copy_(self._host[self._set, first:end],
+                                                     non_blocking=True)
+        device_rows = self._device[self._set]
+        return [device_rows[index, :len(values)]
+                for index, values in enumerate(lists, start=first)]

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_specextend.core.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
+from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
@@ -58,6 +59,11 @@ class V1Retrieval:
         self._position_shift = torch.zeros(
             self.max_num_tokens, dtype=torch.int64, device=device
         )
+        # Goodput control's host-built indices (kept hidden states, catch-up
+        # layout): eight lists a step, each at most a step's tokens.
+        self._host_staging = IndexStager(
+            max(self.max_num_tokens, self.max_batch_size + 1), device,
+            depth=max(2, self.retrieval.setup.steps_in_flight), lists_per_step=8)
 
     # ---- set-up -----------------------------------------------------------
 
@@ -110,6 +116,7 @@ class V1Retrieval:
                 batch.prompt_lens_cpu, block_table.get_numpy_array()[: len(batch.req_ids)],
                 self.retrieval.block_size)
             num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
+            self._host_staging.next_step()
             # Kept every step: a request may catch up later what a forward
             # that ran left behind it (paused, or probing a part of its gap).
             self._keep_hidden_states(kwargs, batch)
@@ -132,7 +139,8 @@ class V1Retrieval:
         if paused_hidden is None:
             return
         token_slots = np.repeat(self.retrieval.control.slots(batch.req_ids), batch.query_lens_cpu)
-        paused_hidden.record(token_slots, batch.positions, kwargs["target_hidden_states"])
+        paused_hidden.record(self._host_staging(token_slots), batch.positions,
+                             kwargs["target_hidden_states"])
 
     def _with_catch_up(self, kwargs: dict, batch: PlanningBatch) -> dict:
         """The first pass's inputs with, before each request's query, the
@@ -151,45 +159,45 @@ class V1Retrieval:
             return kwargs
         layout = catch_up_layout(query_lens, starts, context_lens - starts)
         gap_ids = self.runner.input_batch.token_ids_cpu[layout.gap_rows, layout.gap_positions]
-        device = self.device
-        order = torch.from_numpy(layout.order).to(device, non_blocking=True)
+        # Host-built arrays reach the device through pinned staging only (a
+        # copy from pageable memory would block).
+        stage = self._host_staging
+        order = stage(layout.order)
         num_tokens = int(query_lens.sum())
         token_ids = kwargs["target_token_ids"][:num_tokens]
         positions = kwargs["target_positions"][:num_tokens]
-        gap_positions = torch.from_numpy(layout.gap_positions).to(device, non_blocking=True)
+        gap_positions = stage(layout.gap_positions)
         kwargs = dict(kwargs)
         kwargs["target_token_ids"] = torch.cat((
-            token_ids, torch.from_numpy(gap_ids).to(device, token_ids.dtype)))[order]
+            token_ids, stage(gap_ids).to(token_ids.dtype)))[order]
         kwargs["target_positions"] = torch.cat((
             positions, gap_positions.to(positions.dtype)))[order]
         new_query_start = layout.query_start_loc
         cad = kwargs["common_attn_metadata"]
         # Rows vLLM pads the batch with keep an empty query.
         padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
-        query_start_cpu = torch.from_numpy(np.concatenate(
-            (new_query_start, np.full(padding, new_query_start[-1]))).astype(np.int32))
+        query_start = np.concatenate((new_query_start, np.full(padding, new_query_start[-1])))
         slot_mapping = cad.slot_mapping[:num_tokens]
-        gap_slots = gap_slot_mapping(
-            cad.block_table_tensor, torch.from_numpy(layout.gap_rows).to(device, non_blocking=True),
-            gap_positions, self.retrieval.block_size)
+        gap_slots = gap_slot_mapping(cad.block_table_tensor, stage(layout.gap_rows),
+                                     gap_positions, self.retrieval.block_size)
         kwargs["common_attn_metadata"] = cad.replace(
-            query_start_loc=query_start_cpu.to(device, non_blocking=True),
-            query_start_loc_cpu=query_start_cpu,
+            query_start_loc=stage(query_start).to(cad.query_start_loc.dtype),
+            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
             num_actual_tokens=int(new_query_start[-1]),
             max_query_len=int(np.diff(new_query_start).max()),
             slot_mapping=torch.cat((slot_mapping, gap_slots.to(slot_mapping.dtype)))[order],
             _num_computed_tokens_cache=None,
         )
         if kwargs.get("token_indices_to_sample") is not None:
-            shift = torch.from_numpy(layout.row_shift).to(device, non_blocking=True)
+            shift = stage(layout.row_shift)
             indices = kwargs["token_indices_to_sample"].clone()
             indices[:num_rows] += shift.to(indices.dtype)
             kwargs["token_indices_to_sample"] = indices
         paused_hidden = self.retrieval.paused_hidden
         if paused_hidden is not None:
-            gap_slots_of_requests = control.slots(batch.req_ids)[layout.gap_rows]
+            gap_slots_of_requests = stage(control.slots(batch.req_ids)[layout.gap_rows])
             hidden = kwargs["target_hidden_states"][:num_tokens]
-            gap_hidden = paused_hidden.gather(gap_slots_of_requests, layout.gap_positions)
+            gap_hidden = paused_hidden.gather(gap_slots_of_requests, gap_positions)
             kwargs["target_hidden_states"] = torch.cat((hidden, gap_hidden))[order]
         return kwargs
 

@@ -17,7 +17,6 @@ position holds when it is caught up is its verified token's hidden state.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vllm_specextend.core.catch_up import ring_rows
@@ -31,17 +30,16 @@ class PausedHiddenStates:
         self.width = width
         self.states = torch.zeros(max_requests * capacity, width, dtype=dtype, device=device)
 
-    def record(self, token_slots: np.ndarray, positions: torch.Tensor,
+    def record(self, token_slots: torch.Tensor, positions: torch.Tensor,
                hidden_states: torch.Tensor) -> None:
         """Keep ``hidden_states[i]`` (a step's flat query tokens) for
-        request slot ``token_slots[i]`` at ``positions[i]``."""
-        num_tokens = len(token_slots)
-        slots = torch.from_numpy(token_slots).to(positions.device, non_blocking=True)
-        rows = ring_rows(slots, positions[:num_tokens].long(), self.capacity)
+        request slot ``token_slots[i]`` (device, staged) at ``positions[i]``."""
+        num_tokens = token_slots.shape[0]
+        rows = ring_rows(token_slots, positions[:num_tokens].long(), self.capacity)
         self.states.index_copy_(0, rows, hidden_states[:num_tokens].to(self.states.dtype))
 
-    def gather(self, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The kept hidden states of request slots ``slots`` at ``positions``
-        (each within its request's last ``capacity`` recorded positions)."""
-        rows = torch.from_numpy(ring_rows(slots, positions, self.capacity))
-        return self.states[rows.to(self.states.device, non_blocking=True)]
+        (device, staged; each within its request's last ``capacity``
+        recorded positions)."""
+        return self.states[ring_rows(slots, positions.long(), self.capacity)]
