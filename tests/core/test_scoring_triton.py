@@ -1,0 +1,174 @@
+"""The Triton chunk-scoring kernel (``core/scoring_triton.py``) equals the
+dense reference (``tests/dense_reference.py``) on fresh random inputs:
+permuted block tables, ragged and very short contexts, padding rows, GQA
+1 / 4 / 8, head dims 64 / 128, block sizes 16 / 32, chunks of 16-256 tokens
+(powers of two, 48 and 96 tokens, and 256 = two granules), fp32 / fp16 /
+bf16, and a batch scored in row groups.
+
+Without a GPU the kernel runs under Triton's interpreter in ONE worker
+process (``python -m tests.core.test_scoring_triton``): TRITON_INTERPRET=1
+only takes effect when set before triton is first imported, and setting it
+in this process would turn every other Triton kernel of the test run
+(vLLM's included) into interpreted ones. With CUDA the same cases run here,
+on the device. The seed is fresh per run and named in each failure
+(SPECEXTEND_TEST_SEED=N repeats one).
+
+Mutations that fail these tests (each tried): the softmax scale dropped
+from the logits (every case); the causal limit ignored (``pos <= qpos``
+removed: every case with more than one query row); the padding rows'
+normaliser left finite (the padding-row cases); the GQA head mapping
+``head = kv_head * GROUP + m % GROUP`` swapped to ``m // ...`` (GQA 4 and
+8); the granule sum of a long chunk reduced to its first granule (chunk 256).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+from tests.dense_reference import attention_scores, context_keys
+from vllm_specextend.core.scoring import ScoringWorkspace, chunk_attention_sums
+
+SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    context_lens: tuple[int, ...]
+    rows: int  # query rows per request (the last `rows` positions)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    chunk_size: int
+    dtype: str
+    padding: bool = True  # the first query row of the last request is padding
+    row_groups: bool = False  # partials for one row only: one launch per row
+
+
+CASES = [
+    Case("mha-d64-b16-c16-fp32", (150, 37), 3, 2, 2, 64, 16, 16, "fp32"),
+    Case("gqa4-d128-b16-c32-bf16", (200, 5, 64), 5, 8, 2, 128, 16, 32, "bf16"),
+    Case("gqa8-d64-b32-c64-fp16", (300, 97), 2, 8, 1, 64, 32, 64, "fp16"),
+    Case("gqa4-d64-b16-c48-bf16", (260, 1, 49), 4, 4, 1, 64, 16, 48, "bf16"),
+    Case("gqa1-d128-b32-c128-fp32", (129, 400), 1, 2, 2, 128, 32, 128, "fp32", padding=False),
+    Case("gqa8-d128-b32-c96-fp16", (190, 2), 2, 8, 1, 128, 32, 96, "fp16"),
+    Case("gqa4-d64-b16-c256-fp32", (600, 300), 2, 4, 1, 64, 16, 256, "fp32"),
+    Case("gqa4-d64-b16-c32-bf16-row-groups", (90, 33, 140), 3, 4, 1, 64, 16, 32, "bf16",
+         row_groups=True),
+]
+
+
+def make_inputs(case: Case, seed: int) -> dict:
+    """Keys scattered over a buffer through a permuted block table; query
+    rows at each request's last positions, some of them padding."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[case.dtype]
+    batch = len(case.context_lens)
+    max_blocks = -(-max(case.context_lens) // case.block_size)
+    spare_blocks = 3  # slots no request owns
+    num_slots = (batch * max_blocks + spare_blocks) * case.block_size
+    key_buffer = torch.randn(num_slots, case.num_kv_heads, case.head_dim,
+                             generator=generator).to(dtype)
+    block_table = torch.randperm(batch * max_blocks + spare_blocks,
+                                 generator=generator)[: batch * max_blocks]
+    queries = torch.randn(batch, case.rows, case.num_heads, case.head_dim,
+                          generator=generator).to(dtype)
+    context_lens = torch.tensor(case.context_lens)
+    positions = context_lens.view(-1, 1) - torch.arange(case.rows, 0, -1).view(1, -1)
+    positions = positions.clamp(min=-1)  # a context shorter than the rows: padding
+    if case.padding:
+        positions[-1, 0] = -1
+    return {
+        "queries": queries,
+        "query_positions": positions,
+        "key_buffer": key_buffer,
+        "block_table": block_table.view(batch, max_blocks).int(),
+        "max_context_len": max(case.context_lens),
+        "scale": case.head_dim ** -0.5,
+    }
+
+
+def kernel_sums(case: Case, inputs: dict, device: torch.device) -> torch.Tensor:
+    """The planner's call, on a kernel workspace."""
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    batch, rows = inputs["query_positions"].shape
+    workspace = ScoringWorkspace.allocate(
+        case.num_heads, case.num_kv_heads, case.head_dim, max_num_reqs=batch,
+        max_query_rows=rows, dtype=DTYPES[case.dtype], device=device, use_kernel=True,
+        max_context_len=inputs["max_context_len"])
+    if case.row_groups:
+        granules = -(-inputs["max_context_len"] // case.chunk_size)
+        workspace.granule_logsumexp = workspace.granule_logsumexp[
+            : rows * case.num_heads * granules]
+    return chunk_attention_sums(
+        on_device["queries"], on_device["query_positions"], on_device["key_buffer"],
+        on_device["block_table"], inputs["max_context_len"], inputs["scale"],
+        case.block_size, case.chunk_size, workspace).cpu()
+
+
+def dense_sums(case: Case, inputs: dict) -> torch.Tensor:
+    """Float32 softmax over each row's whole gathered context, summed per chunk."""
+    max_len = inputs["max_context_len"]
+    keys = context_keys(inputs["key_buffer"], inputs["block_table"], max_len, case.block_size)
+    token_scores = attention_scores(inputs["queries"], keys, inputs["query_positions"],
+                                    inputs["scale"]).sum(dim=1)
+    chunks = -(-max_len // case.chunk_size)
+    padded = torch.nn.functional.pad(token_scores, (0, chunks * case.chunk_size - max_len))
+    return padded.view(len(case.context_lens), chunks, case.chunk_size).sum(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Every case's kernel sums from one interpreter worker process."""
+    out = tmp_path_factory.mktemp("triton-interpreter") / "sums.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECEXTEND_TEST_SEED": str(SEED)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.core.test_scoring_triton", str(out)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
+DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_equals_the_dense_reference(case, device, request):
+    inputs = make_inputs(case, SEED)
+    if device == "cuda":
+        got = kernel_sums(case, inputs, torch.device("cuda"))
+    else:
+        got = request.getfixturevalue("interpreted")[case.name]
+    want = dense_sums(case, inputs)
+    message = f"seed {SEED} (SPECEXTEND_TEST_SEED={SEED} repeats it)"
+    assert got.shape == want.shape, message
+    # Float32 products of the same inputs, summed in another order.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5, msg=lambda m: f"{m}\n{message}")
+    # Each valid query row spreads probability 1 per head over its context.
+    valid_rows = (inputs["query_positions"] >= 0).sum(dim=1).float()
+    torch.testing.assert_close(got.sum(dim=1), valid_rows * case.num_heads, rtol=1e-4, atol=1e-4)
+
+
+def _interpreter_worker(out_path: str) -> None:
+    """Runs every case under the interpreter (TRITON_INTERPRET=1 set by the caller)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sums = {case.name: kernel_sums(case, make_inputs(case, SEED), torch.device("cpu"))
+            for case in CASES}
+    torch.save(sums, out_path)
+    print(json.dumps({"cases": [asdict(case)["name"] for case in CASES]}))
+
+
+if __name__ == "__main__":
+    _interpreter_worker(sys.argv[1])
