@@ -13,12 +13,15 @@ in this process would turn every other Triton kernel of the test run
 on the device. The seed is fresh per run and named in each failure
 (SPECEXTEND_TEST_SEED=N repeats one).
 
-Mutations that fail these tests (each tried): the softmax scale dropped
-from the logits (every case); the causal limit ignored (``pos <= qpos``
-removed: every case with more than one query row); the padding rows'
-normaliser left finite (the padding-row cases); the GQA head mapping
-``head = kv_head * GROUP + m % GROUP`` swapped to ``m // ...`` (GQA 4 and
-8); the granule sum of a long chunk reduced to its first granule (chunk 256).
+Mutations of the kernel that fail these tests (each tried, cases failed):
+the softmax scale dropped (all 8); the causal limit ignored (7, all with
+more than one query row); padding rows seeing position 0 (7, those with
+padding); the GQA head mapping permuted (6, those with GQA > 1); a block
+table ignored for a contiguous slot range (all 8); no -inf written past a
+row's last visible position (all 8); a long chunk reduced to its first
+granule (chunk 256); every row group written to the first rows (the
+row-group case). Not observable here: that keys past a row's last visible
+position are never loaded (a bandwidth property; the causal mask hides them).
 """
 
 from __future__ import annotations
