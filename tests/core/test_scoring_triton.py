@@ -164,6 +164,60 @@ def test_kernel_equals_the_dense_reference(case, device, request):
     torch.testing.assert_close(got.sum(dim=1), valid_rows * case.num_heads, rtol=1e-4, atol=1e-4)
 
 
+AOT_SCRIPT = """
+import json, os, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_specextend.core import _scoring_triton_kernels as source
+
+def compile(fn, types, constexprs):
+    kernel = triton.jit(fn)
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+    path = os.path.join(sys.argv[1], fn.__name__ + ".cubin")
+    open(path, "wb").write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    return {"mma": "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"],
+            "usage": usage.strip().splitlines()[-1]}
+
+found = {
+    "granules": compile(source.granule_logsumexp_kernel,
+        {"q_ptr": "*bf16", "qpos_ptr": "*i64", "k_ptr": "*bf16", "table_ptr": "*i32",
+         "out_ptr": "*fp32", "scale_log2": "fp32"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_SIZE=16, GRANULE=32,
+             GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32", DOT_IN_FP32=False)),
+    "rows": compile(source.row_logsumexp_kernel, {"lse_ptr": "*fp32", "out_ptr": "*fp32"},
+                    dict(BLOCK_RH=64, BLOCK_G=128)),
+    "chunks": compile(source.chunk_sum_kernel,
+                      {"lse_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*fp32"},
+                      dict(GRANULES_PER_CHUNK=1, BLOCK_RH=64, BLOCK_C=64)),
+}
+print(json.dumps(found))
+"""
+
+
+def test_kernels_compile_for_an_h100_without_spills(tmp_path):
+    """The interpreter checks what the kernels compute, not that they
+    compile: compile all three for sm_90 (Triton's bundled ptxas; no GPU
+    needed), the 8B-class bf16 configuration. The logits are a tensor-core
+    MMA and nothing spills to local memory."""
+    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1",
+                                 "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["granules"]["mma"], found
+    for kernel, info in found.items():
+        assert " LOCAL:0 " in info["usage"], (kernel, info["usage"])
+
+
 def _interpreter_worker(out_path: str) -> None:
     """Runs every case under the interpreter (TRITON_INTERPRET=1 set by the caller)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -58,7 +58,7 @@ def granule_logsumexp_kernel(
     end_tile = first_tile + tiles_per_split
     live_tiles = (last_visible + TILE_SPAN) // TILE_SPAN
     live_end = tl.minimum(end_tile, tl.maximum(live_tiles, first_tile)).to(tl.int32)
-    for tile in range(first_tile, live_end):
+    for tile in tl.range(first_tile, live_end, num_stages=3):
         granule0 = tile * GRANULES_PER_TILE
         pos = (granule0 + local_granule).to(tl.int64) * GRANULE + within
         pos_ok = (within < GRANULE) & (pos <= last_visible)
