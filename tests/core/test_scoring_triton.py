@@ -170,6 +170,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_specextend.core import _scoring_triton_kernels as source
+from vllm_specextend.core.scoring_triton import (
+    CHUNKS_BLOCK_C, CHUNKS_BLOCK_RH, ROWS_BLOCK_G, ROWS_BLOCK_RH)
 
 def compile(fn, types, constexprs):
     kernel = triton.jit(fn)
@@ -193,10 +195,10 @@ found = {
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_SIZE=16, GRANULE=32,
              GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32", DOT_IN_FP32=False)),
     "rows": compile(source.row_logsumexp_kernel, {"lse_ptr": "*fp32", "out_ptr": "*fp32"},
-                    dict(BLOCK_RH=64, BLOCK_G=128)),
+                    dict(BLOCK_RH=ROWS_BLOCK_RH, BLOCK_G=ROWS_BLOCK_G)),
     "chunks": compile(source.chunk_sum_kernel,
                       {"lse_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*fp32"},
-                      dict(GRANULES_PER_CHUNK=1, BLOCK_RH=64, BLOCK_C=64)),
+                      dict(GRANULES_PER_CHUNK=1, BLOCK_RH=CHUNKS_BLOCK_RH, BLOCK_C=CHUNKS_BLOCK_C)),
 }
 print(json.dumps(found))
 """
@@ -206,7 +208,9 @@ def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     """The interpreter checks what the kernels compute, not that they
     compile: compile all three for sm_90 (Triton's bundled ptxas; no GPU
     needed), the 8B-class bf16 configuration. The logits are a tensor-core
-    MMA and nothing spills to local memory."""
+    MMA and nothing spills (no local memory, no stack). Fails on the logits
+    as a broadcast product instead of ``tl.dot``, and on the normaliser
+    kernel's first tile size (64 x 128: a 640-byte stack)."""
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)],
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1",
@@ -215,7 +219,7 @@ def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["granules"]["mma"], found
     for kernel, info in found.items():
-        assert " LOCAL:0 " in info["usage"], (kernel, info["usage"])
+        assert " LOCAL:0 " in info["usage"] and " STACK:0 " in info["usage"], (kernel, info)
 
 
 def _interpreter_worker(out_path: str) -> None:

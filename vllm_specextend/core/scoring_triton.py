@@ -55,6 +55,10 @@ TARGET_PROGRAMS = 2048
 """Programs the first launch aims for (splits are shortened until it has them)."""
 MIN_SPLIT_TILES = 4
 """Tiles per split at least (fewer would spend more time on Q loads than keys)."""
+# Tiles of the two small launches: 16 x 128 and 64 x 64 floats (128 threads;
+# compiled for sm_90 neither spills, see tests/core/test_scoring_triton.py).
+ROWS_BLOCK_RH, ROWS_BLOCK_G = 16, 128
+CHUNKS_BLOCK_RH, CHUNKS_BLOCK_C = 64, 64
 
 
 def granule_size(chunk_size: int) -> int:
@@ -143,16 +147,15 @@ def chunk_attention_sums_triton(
             num_warps=4, num_stages=3,
         )
         heads_rows = rows * num_heads
-        block_rh = min(64, max(16, _next_power_of_2(heads_rows)))
-        kernels.rows[(count, -(-heads_rows // block_rh))](
-            lse, row_lse, heads_rows, granules, BLOCK_RH=block_rh, BLOCK_G=128, num_warps=4,
-        )
-        block_c = 64
-        out = sums[first : first + count]
-        kernels.chunks[(count, -(-num_chunks // block_c))](
-            lse, row_lse, out, heads_rows, granules, num_chunks, out.stride(0),
-            GRANULES_PER_CHUNK=chunk_size // granule, BLOCK_RH=block_rh, BLOCK_C=block_c,
+        kernels.rows[(count, -(-heads_rows // ROWS_BLOCK_RH))](
+            lse, row_lse, heads_rows, granules, BLOCK_RH=ROWS_BLOCK_RH, BLOCK_G=ROWS_BLOCK_G,
             num_warps=4,
+        )
+        out = sums[first : first + count]
+        kernels.chunks[(count, -(-num_chunks // CHUNKS_BLOCK_C))](
+            lse, row_lse, out, heads_rows, granules, num_chunks, out.stride(0),
+            GRANULES_PER_CHUNK=chunk_size // granule, BLOCK_RH=CHUNKS_BLOCK_RH,
+            BLOCK_C=CHUNKS_BLOCK_C, num_warps=4,
         )
     return sums
 
