@@ -55,6 +55,8 @@ class ScoringWorkspace:
     ``[rows, query rows, heads, granules]`` of a row group."""
     row_logsumexp: torch.Tensor | None = None
     """Float32, the kernel's softmax normalisers: ``[rows, query rows x heads]``."""
+    layer: tuple[int, int, int, int] | None = None
+    """The kernel's (num_heads, num_kv_heads, head_dim, max_query_rows)."""
 
     @classmethod
     def allocate(
@@ -110,7 +112,23 @@ class ScoringWorkspace:
             granule_logsumexp=torch.empty(budget, dtype=torch.float32, device=device),
             row_logsumexp=torch.empty(max_num_reqs * row_floats, dtype=torch.float32,
                                       device=device),
+            layer=(num_heads, num_kv_heads, head_dim, max_query_rows),
         )
+
+    def warm_up(self, block_size: int, chunk_size: int) -> None:
+        """Compile the kernel before serving, for both query-row counts the
+        planner scores (1 and ``max_query_rows``): a first compile takes
+        seconds. Call once block and chunk size are known; a no-op on the
+        torch path."""
+        if not self.use_kernel:
+            return
+        from vllm_specextend.core.scoring_triton import warm_up
+
+        assert self.layer is not None and self.granule_logsumexp is not None
+        num_heads, num_kv_heads, head_dim, max_query_rows = self.layer
+        for rows in sorted({1, max_query_rows}):
+            warm_up(self, num_heads, num_kv_heads, head_dim, rows, self.keys.dtype,
+                    block_size, chunk_size)
 
     @property
     def nbytes(self) -> int:

@@ -62,21 +62,18 @@ CHUNKS_BLOCK_RH, CHUNKS_BLOCK_C = 64, 64
 
 
 def granule_size(chunk_size: int) -> int:
-    """The part of a chunk one granule covers: the largest divisor of the
-    chunk that is at most :data:`MAX_GRANULE`, preferring divisors whose
-    power-of-two padding wastes least."""
+    """The part of a chunk one granule covers: the chunk itself up to
+    :data:`MAX_GRANULE`, else the largest divisor of it at most that long
+    whose power-of-two padding wastes at most a quarter (else the largest)."""
     if chunk_size <= MAX_GRANULE:
         return chunk_size
-    divisors = [d for d in range(1, MAX_GRANULE + 1) if chunk_size % d == 0]
-    return max(divisors, key=lambda d: (d / _next_power_of_2(d), d))
+    divisors = [d for d in range(MAX_GRANULE, 0, -1) if chunk_size % d == 0]
+    snug = [d for d in divisors if 4 * d >= 3 * _next_power_of_2(d)]
+    return (snug or divisors)[0]
 
 
 def _next_power_of_2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
-
-
-def num_granules(max_context_len: int, chunk_size: int) -> int:
-    return -(-max_context_len // granule_size(chunk_size))
 
 
 def chunk_attention_sums_triton(
@@ -144,7 +141,8 @@ def chunk_attention_sums_triton(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
             BLOCK_SIZE=block_size, GRANULE=granule, GRANULE_PAD=granule_pad,
             GRANULES_PER_TILE=granules_per_tile, PRECISION=precision, DOT_IN_FP32=dot_in_fp32,
-            num_warps=4, num_stages=3,
+            num_warps=8 if block_m >= 128 else 4,  # 128 stacked rows: logits of 64 floats a thread
+
         )
         heads_rows = rows * num_heads
         kernels.rows[(count, -(-heads_rows // ROWS_BLOCK_RH))](
@@ -158,6 +156,22 @@ def chunk_attention_sums_triton(
             BLOCK_C=CHUNKS_BLOCK_C, num_warps=4,
         )
     return sums
+
+
+def warm_up(workspace, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
+            dtype: torch.dtype, block_size: int, chunk_size: int) -> None:
+    """One call on a one-block context with the argument types the planner
+    passes (int64 positions, an int32 block table), so that its first
+    planning call finds the kernels compiled."""
+    device = workspace.granule_logsumexp.device
+    chunk_attention_sums_triton(
+        torch.zeros(1, rows, num_heads, head_dim, dtype=dtype, device=device),
+        torch.zeros(1, rows, dtype=torch.int64, device=device),
+        torch.zeros(block_size + 1, num_kv_heads, head_dim, dtype=dtype, device=device),
+        torch.zeros(1, 1, dtype=torch.int32, device=device),
+        1, head_dim ** -0.5, block_size, chunk_size,
+        workspace.granule_logsumexp, workspace.row_logsumexp,
+    )
 
 
 def _tiles_per_split(tiles: int, programs_per_split: int) -> int:
@@ -182,8 +196,15 @@ def _kernels() -> _Kernels:
 
     from vllm_specextend.core import _scoring_triton_kernels as source
 
+    # Integers that change from call to call are not specialised on (==1,
+    # divisible by 16): each new value would otherwise compile a new kernel.
     return _Kernels(
-        triton.jit(source.granule_logsumexp_kernel),
-        triton.jit(source.row_logsumexp_kernel),
-        triton.jit(source.chunk_sum_kernel),
+        triton.jit(source.granule_logsumexp_kernel, do_not_specialize=[
+            "q_stride_b", "q_stride_r", "q_stride_h", "qpos_stride_b", "qpos_stride_r",
+            "table_stride_b", "num_rows", "max_context_len", "num_slots", "num_granules",
+            "tiles_per_split"]),
+        triton.jit(source.row_logsumexp_kernel,
+                   do_not_specialize=["heads_rows", "num_granules"]),
+        triton.jit(source.chunk_sum_kernel, do_not_specialize=[
+            "heads_rows", "num_granules", "num_chunks", "out_stride_b"]),
     )
