@@ -173,27 +173,35 @@ from vllm_specextend.core import _scoring_triton_kernels as source
 from vllm_specextend.core.scoring_triton import (
     CHUNKS_BLOCK_C, CHUNKS_BLOCK_RH, ROWS_BLOCK_G, ROWS_BLOCK_RH)
 
-def compile(fn, types, constexprs):
+def compile(fn, types, constexprs, aligned=()):
+    # As the launcher specialises: unit strides become constants, pointers
+    # and the key strides are known multiples of 16.
     kernel = triton.jit(fn)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr")] + list(aligned)
     src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 3})
     path = os.path.join(sys.argv[1], fn.__name__ + ".cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
-    return {"mma": "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"],
+    ptx = compiled.asm["ptx"]
+    return {"mma": "mma.sync" in ptx or "wgmma" in ptx,
+            "async_16_byte_loads": ptx.count("cp.async.cg.shared.global"),
             "usage": usage.strip().splitlines()[-1]}
 
 found = {
     "granules": compile(source.granule_logsumexp_kernel,
         {"q_ptr": "*bf16", "qpos_ptr": "*i64", "k_ptr": "*bf16", "table_ptr": "*i32",
          "out_ptr": "*fp32", "scale_log2": "fp32"},
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_SIZE=16, GRANULE=32,
-             GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32", DOT_IN_FP32=False)),
+        dict(q_stride_d=1, k_stride_d=1, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32,
+             BLOCK_SIZE=16, GRANULE=32, GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32",
+             DOT_IN_FP32=False),
+        aligned=["k_stride_slot", "k_stride_h", "num_heads"]),
     "rows": compile(source.row_logsumexp_kernel, {"lse_ptr": "*fp32", "out_ptr": "*fp32"},
                     dict(BLOCK_RH=ROWS_BLOCK_RH, BLOCK_G=ROWS_BLOCK_G)),
     "chunks": compile(source.chunk_sum_kernel,
@@ -207,10 +215,12 @@ print(json.dumps(found))
 def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     """The interpreter checks what the kernels compute, not that they
     compile: compile all three for sm_90 (Triton's bundled ptxas; no GPU
-    needed), the 8B-class bf16 configuration. The logits are a tensor-core
-    MMA and nothing spills (no local memory, no stack). Fails on the logits
-    as a broadcast product instead of ``tl.dot``, and on the normaliser
-    kernel's first tile size (64 x 128: a 640-byte stack)."""
+    needed), the 8B-class bf16 configuration, specialised as the launcher
+    does. The logits are a tensor-core MMA, the keys arrive as pipelined
+    16-byte async copies, and nothing spills (no local memory, no stack).
+    Fails on the logits as a broadcast product instead of ``tl.dot``, on
+    the normaliser kernel's first tile size (64 x 128: a 640-byte stack),
+    and on a tile loop left unpipelined (``num_stages=1``: no async copies)."""
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)],
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1",
@@ -218,6 +228,8 @@ def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["granules"]["mma"], found
+    # The keys: 16-byte copies into shared memory, a tile ahead of the MMA.
+    assert found["granules"]["async_16_byte_loads"] > 0, found
     for kernel, info in found.items():
         assert " LOCAL:0 " in info["usage"] and " STACK:0 " in info["usage"], (kernel, info)
 
