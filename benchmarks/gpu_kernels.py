@@ -18,6 +18,9 @@ benchmarks/results/gpu-kernels/):
 
     python3 -m benchmarks.gpu_kernels --device cuda --repeats 20 --out benchmarks/results/gpu-kernels
 
+(on a lent machine write to ``--out "$OUT/gpu-kernels"`` and copy the folder back; without
+matplotlib there, redraw the PNG with ``--replot DIR``).
+
 On CPU (the torch path only, a reduced grid; default output: build/, untracked):
 
     python3 -m benchmarks.gpu_kernels --device cpu
@@ -29,6 +32,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 import traceback
 import warnings
@@ -429,8 +433,6 @@ def main(argv=None) -> None:
                         help="output folder (default: build/gpu-kernels-DEVICE, untracked)")
     parser.add_argument("--replot", type=Path, default=None,
                         help="redraw DIR/results.png from DIR/results.json")
-    import sys
-
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.replot:
