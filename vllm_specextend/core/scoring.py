@@ -8,6 +8,10 @@ first pass finds each head's log-sum-exp, the second sums the probabilities
 per chunk. Every buffer of a tile lives in a :class:`ScoringWorkspace`
 allocated once, so scoring memory does not grow with batch x context. When
 the context fits one tile, the second pass reuses the first one's tile.
+
+On CUDA the same sums come from a Triton kernel that reads each key once
+(``core/scoring_triton.py``); the torch path here is the CPU path and the
+reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ import torch
 
 SCORING_TILE_TOKENS = 32768
 """Context positions x batch rows scored per tile (the workspace's size)."""
+KERNEL_PARTIALS_BYTES = 64 << 20
+"""The kernel's granule sums at most (a batch beyond them is scored in row
+groups): 64 x 32K tokens of an 8B-class layer (5 query rows, 32 heads, chunk
+32) fit at once."""
+SMALLEST_GRANULE = 16
+"""Granule the kernel's partials are sized for (chunks of 16 tokens)."""
 
 _NO_LOGIT = -1e30  # finite "minus infinity" for the running maximum
 
@@ -25,7 +35,9 @@ _NO_LOGIT = -1e30  # finite "minus infinity" for the running maximum
 @dataclass
 class ScoringWorkspace:
     """Flat buffers for one scoring tile, allocated before vLLM measures free
-    memory; each tile views the leading part it needs."""
+    memory; each tile views the leading part it needs. With ``use_kernel``
+    (the default on CUDA) the torch path's buffers are empty and the Triton
+    kernel's partials are allocated instead."""
 
     tile_tokens: int
     keys: torch.Tensor
@@ -37,6 +49,14 @@ class ScoringWorkspace:
     """Float32: ``[kv head, row, query row, group, position]`` of a tile."""
     block_ids: torch.Tensor
     slots: torch.Tensor
+    use_kernel: bool = False
+    granule_logsumexp: torch.Tensor | None = None
+    """Float32, the kernel's per-granule log-sum-exps:
+    ``[rows, query rows, heads, granules]`` of a row group."""
+    row_logsumexp: torch.Tensor | None = None
+    """Float32, the kernel's softmax normalisers: ``[rows, query rows x heads]``."""
+    layer: tuple[int, int, int, int] | None = None
+    """The kernel's (num_heads, num_kv_heads, head_dim, max_query_rows)."""
 
     @classmethod
     def allocate(
@@ -49,7 +69,18 @@ class ScoringWorkspace:
         dtype: torch.dtype,
         device: torch.device,
         tile_tokens: int = SCORING_TILE_TOKENS,
+        use_kernel: bool | None = None,
+        max_context_len: int | None = None,
     ) -> ScoringWorkspace:
+        """``use_kernel``: score with the Triton kernel (default: on CUDA).
+        ``max_context_len``: the longest context scored (the model's
+        length); sizes the kernel's partials to what the batch needs, capped
+        at :data:`KERNEL_PARTIALS_BYTES` but always at least one row."""
+        if use_kernel is None:
+            use_kernel = device.type == "cuda"
+        if use_kernel:
+            return cls._allocate_kernel(num_heads, num_kv_heads, head_dim, max_num_reqs,
+                                        max_query_rows, dtype, device, max_context_len)
         logit_count = tile_tokens * max_query_rows * num_heads
         return cls(
             tile_tokens=tile_tokens,
@@ -63,11 +94,47 @@ class ScoringWorkspace:
             slots=torch.empty(tile_tokens, dtype=torch.int64, device=device),
         )
 
+    @classmethod
+    def _allocate_kernel(cls, num_heads, num_kv_heads, head_dim, max_num_reqs, max_query_rows,
+                         dtype, device, max_context_len) -> ScoringWorkspace:
+        row_floats = max_query_rows * num_heads
+        budget = KERNEL_PARTIALS_BYTES // 4
+        if max_context_len is not None:
+            one_row = row_floats * -(-max_context_len // SMALLEST_GRANULE)
+            budget = max(one_row, min(budget, max_num_reqs * one_row))
+        empty = torch.empty(0, dtype=dtype, device=device)
+        return cls(
+            tile_tokens=0, keys=empty, queries=empty, logits_model_dtype=empty,
+            logits=torch.empty(0, dtype=torch.float32, device=device),
+            block_ids=torch.empty(0, dtype=torch.int32, device=device),
+            slots=torch.empty(0, dtype=torch.int64, device=device),
+            use_kernel=True,
+            granule_logsumexp=torch.empty(budget, dtype=torch.float32, device=device),
+            row_logsumexp=torch.empty(max_num_reqs * row_floats, dtype=torch.float32,
+                                      device=device),
+            layer=(num_heads, num_kv_heads, head_dim, max_query_rows),
+        )
+
+    def warm_up(self, block_size: int, chunk_size: int) -> None:
+        """Compile the kernel before serving, for both query-row counts the
+        planner scores (1 and ``max_query_rows``): a first compile takes
+        seconds. Call once block and chunk size are known; a no-op on the
+        torch path."""
+        if not self.use_kernel:
+            return
+        from vllm_specextend.core.scoring_triton import warm_up
+
+        assert self.layer is not None and self.granule_logsumexp is not None
+        num_heads, num_kv_heads, head_dim, max_query_rows = self.layer
+        for rows in sorted({1, max_query_rows}):
+            warm_up(self, num_heads, num_kv_heads, head_dim, rows, self.keys.dtype,
+                    block_size, chunk_size)
+
     @property
     def nbytes(self) -> int:
         buffers = (self.keys, self.queries, self.logits_model_dtype, self.logits,
-                   self.block_ids, self.slots)
-        return sum(t.numel() * t.element_size() for t in buffers)
+                   self.block_ids, self.slots, self.granule_logsumexp, self.row_logsumexp)
+        return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
     def view(self, buffer: torch.Tensor, *shape: int) -> torch.Tensor:
         count = 1
@@ -101,6 +168,13 @@ def chunk_attention_sums(
         ``[batch, ceil(max_context_len / chunk_size)]`` float32 sums; divide
         by :func:`chunk_token_counts` for the mean per token.
     """
+    if workspace.use_kernel:
+        from vllm_specextend.core.scoring_triton import chunk_attention_sums_triton
+
+        return chunk_attention_sums_triton(
+            queries, query_positions, key_buffer, block_table, max_context_len, scale,
+            block_size, chunk_size, workspace.granule_logsumexp, workspace.row_logsumexp,
+        )
     batch = queries.shape[0]
     num_chunks = -(-max_context_len // chunk_size)
     sums = torch.zeros(batch, num_chunks, dtype=torch.float32, device=queries.device)
