@@ -257,6 +257,7 @@ class RetrievalPlanner:
             max_query_rows=self.max_num_speculative_tokens + 1,
             dtype=dtype,
             device=self.device,
+            max_context_len=self.max_model_len,
         )
 
     def bind_kv_cache(
@@ -274,6 +275,9 @@ class RetrievalPlanner:
         self._free_areas = list(range(self.private_layouts.areas)) if self.private_layouts else []
         self.chunk_size = self.config.resolved_chunk_size(block_size)
         self._allocate_selection_state()
+        if self.scoring_workspace is not None:
+            # Compiles the CUDA kernel now, not in the first serving step.
+            self.scoring_workspace.warm_up(block_size, self.chunk_size)
 
     def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -300,6 +304,8 @@ class RetrievalPlanner:
         for req_id in list(self._requests):
             self._forget(req_id, finished=False)
         self._allocate_selection_state()
+        if self.scoring_workspace is not None:
+            self.scoring_workspace.warm_up(self.block_size, self.chunk_size)
 
     # ---- planning ---------------------------------------------------------
 
