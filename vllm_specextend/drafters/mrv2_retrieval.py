@@ -148,7 +148,12 @@ class MRV2Retrieval:
         view = None
         if not dummy_run:
             view = self.retrieval.plan(self.planning_batch(input_batch, num_rejected))
-        self._activate(view)
+        if self._compact_block_table is not None:
+            self._activate(view)
+        else:
+            # profile_run proposes a dummy batch without attention before
+            # initialize_kv_cache calls set_attn: nothing to stage yet.
+            assert dummy_run, "propose before set_attn outside a dummy run"
         self._num_rows = input_batch.num_reqs
         try:
             return super().propose(
