@@ -297,3 +297,39 @@ def test_profile_capture_then_serving_in_model_runner_v2_order(method, target_mo
         assert (seq_lens[1:] >= batch.seq_lens[1:]).all()  # stock rows
         assert (seq_lens <= batch.seq_lens + K - removed).all()
     assert spec.retrieval.planner.stats.as_dict()["retrievals"] == 1
+
+
+def test_k0_steps_plan_nothing_and_dummy_tables_hold_no_stale_blocks(target_model, draft_model,
+                                                                    monkeypatch):
+    """vLLM 0.33's ``skip_drafts`` steps propose with ``num_speculative_tokens=0``
+    (the head only keeps its KV in sync): no retrieval is planned for them. A
+    dummy block table for capture is all zeros beyond its rows too."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    spec = build("eagle3", target_model, draft_model, monkeypatch)
+    set_attn(spec)
+    spec.init_cudagraph_manager(CUDAGraphMode.NONE)
+    batch = input_batch(**LONG_BATCH)
+    planned = []
+    monkeypatch.setattr(spec.retrieval, "plan", lambda batch: planned.append(batch))
+    propose_k0 = spec.propose
+    monkeypatch.setattr(spec, "propose", lambda *args, **kwargs: propose_k0(
+        *args, **kwargs, num_speculative_tokens=0))
+    propose(spec, batch, NUM_REJECTED)
+    assert planned == [], planned
+    spec._compact_block_table.fill_(5)
+    dummy, = spec._compacted_block_tables().get_dummy_block_tables(2)
+    assert dummy.shape[0] == 2 and not spec._compact_block_table.any()
+
+
+def test_layers_that_bypass_the_kv_update_are_refused_at_load(target_model, draft_model,
+                                                              monkeypatch):
+    from vllm_specextend.core.options import SpecExtendConfigError
+
+    spec = build("draft_model", target_model, draft_model, monkeypatch)
+    fused = FakeAttention()
+    fused.kv_cache_update_bypass = True  # vLLM 0.33: the model writes its KV itself
+    with pytest.raises(SpecExtendConfigError, match=r"kv_cache_update_bypass: \['"
+                                                    + TARGET_LAYER):
+        spec.retrieval.attach({TARGET_LAYER: fused, DRAFT_LAYER: FakeAttention()},
+                              spec.draft_attn_layer_names)

@@ -34,7 +34,11 @@ from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
+from vllm_specextend.retrieval.engine_options import (
+    RetrievalSetup,
+    check_layers_write_kv_through_update,
+    private_layout_blocks,
+)
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
@@ -134,6 +138,8 @@ class DraftRetrieval:
             name: layer for name, layer in attention_layers.items()
             if name in draft_layer_names
         }
+        check_layers_write_kv_through_update(
+            {self.target_layer_name: self.target_layer, **self.draft_layers})
         self.planner.allocate_scoring_workspace(self.target_layer, self.dtype)
         logger.info(
             "SpecExtend: scoring with the target's last attention layer %s "
