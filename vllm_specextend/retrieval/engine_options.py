@@ -48,6 +48,10 @@ class RetrievalSetup:
     draft KV into blocks of their own (:func:`private_layout_blocks`), not
     into cached blocks other requests share."""
     max_num_seqs: int = 0
+    full_graph_query_len: int | None = None
+    """Query length of every request in a decode step that replays the
+    target's FULL CUDA graphs (``1 + K``, vLLM's FULL decode graphs); None:
+    no FULL decode graphs (CPU, eager, PIECEWISE only)."""
 
 
 def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
@@ -132,7 +136,20 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         private_layouts=(compact and config.private_layouts
                          and bool(vllm_config.cache_config.enable_prefix_caching)),
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        full_graph_query_len=full_decode_graph_query_len(vllm_config),
     )
+
+
+def full_decode_graph_query_len(vllm_config: Any) -> int | None:
+    """``1 + K`` when the V1 runner replays FULL CUDA graphs for uniform
+    decode batches (``cudagraph_mode`` FULL_DECODE_ONLY or FULL_AND_PIECEWISE,
+    vLLM's GPU default): its dispatcher takes a batch as one only when every
+    request verifies ``1 + K`` tokens; any other decode batch runs PIECEWISE
+    (or eagerly). None otherwise (FULL for every batch, PIECEWISE, none)."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is None or mode.decode_mode().name != "FULL" or not mode.separate_routine():
+        return None
+    return 1 + vllm_config.speculative_config.num_speculative_tokens
 
 
 PRIVATE_LAYOUT_SHARE = 0.25

@@ -350,6 +350,7 @@ class DraftRetrieval:
                 # A prompt at compact positions is prefilled in chunks the
                 # window allows; a head keeps only recent hidden states.
                 defer_prompts=self.setup.method == "draft_model" and not self.compact_positions,
+                full_graph_query_len=self.setup.full_graph_query_len,
             )
 
     def metrics_snapshot(self) -> dict[str, object]:
