@@ -28,6 +28,7 @@ from vllm_specextend.retrieval.draft_kv_copy import (
     DraftKVCopy,
     RepositioningWorkspace,
     install_draft_kv_copy,
+    repositioning_capacity,
 )
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
@@ -153,6 +154,19 @@ def test_rows_laid_out_in_passes_equal_the_plain_rotation():
                                copy.values[index, sources[0][real]])
 
 
+def test_a_row_longer_than_the_workspace_is_laid_out_in_several_passes():
+    small = owner_with_copy(RepositioningWorkspace(WINDOW // 3, KV_HEADS, HEAD_DIM,
+                                                   torch.float32, torch.device("cpu")))
+    whole = owner_with_copy(RepositioningWorkspace(2 * WINDOW, KV_HEADS, HEAD_DIM,
+                                                   torch.float32, torch.device("cpu")))
+    rows = torch.tensor([4, 9])
+    reselect(small, rows)
+    reselect(whole, rows)
+    for name in small.draft_layers:
+        assert torch.equal(small.draft_layers[name].kv_cache, whole.draft_layers[name].kv_cache)
+    assert small.draft_layers["draft.0"].kv_cache.any()
+
+
 def test_workspace_is_allocated_at_model_load_before_the_kv_cache(target_model, draft_model):
     """Allocated in ``attach`` (load_model), before vLLM profiles free memory;
     the plain draft KV copy made at KV cache set-up writes through it."""
@@ -172,6 +186,7 @@ def test_workspace_is_allocated_at_model_load_before_the_kv_cache(target_model, 
                       "draft.layers.0.self_attn.attn": draft},
                      {"draft.layers.0.self_attn.attn"})
     workspace = retrieval.repositioning_workspace
-    assert workspace.capacity == WORKSPACE_WINDOWS * setup.draft_window
+    assert workspace.capacity == WORKSPACE_WINDOWS * setup.draft_window == 4096
+    assert repositioning_capacity(32768) == 8192 == repositioning_capacity(2048)
     assert workspace.nbytes == RepositioningWorkspace.bytes_needed(
         workspace.capacity, KV_HEADS, HEAD_DIM, torch.float32)

@@ -22,7 +22,15 @@ from vllm_specextend.retrieval.layer_hooks import swap_impl_class
 
 WORKSPACE_WINDOWS = 4
 """Draft windows the re-positioning workspace holds: rows re-selected in one
-step are laid out this many at a time."""
+step are laid out this many at a time..."""
+WORKSPACE_TOKENS = 8192
+"""...within this many tokens (about 120 MiB for 8 KV heads of 128 dimensions
+in bf16; a longer row is laid out in several passes)."""
+
+
+def repositioning_capacity(draft_window: int) -> int:
+    """Tokens the re-positioning workspace lays out per pass."""
+    return min(WORKSPACE_WINDOWS * draft_window, WORKSPACE_TOKENS)
 
 
 class RepositioningWorkspace:

@@ -34,10 +34,10 @@ from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import (
-    WORKSPACE_WINDOWS,
     DraftKVCopy,
     RepositioningWorkspace,
     install_draft_kv_copy,
+    repositioning_capacity,
 )
 from vllm_specextend.retrieval.engine_options import (
     RetrievalSetup,
@@ -159,7 +159,7 @@ class DraftRetrieval:
     def _allocate_repositioning_workspace(self) -> None:
         layer = next(iter(self.draft_layers.values()))
         self.repositioning_workspace = RepositioningWorkspace(
-            WORKSPACE_WINDOWS * self.draft_window, layer.num_kv_heads, layer.head_size,
+            repositioning_capacity(self.draft_window), layer.num_kv_heads, layer.head_size,
             self.dtype, self.device)
         logger.info("SpecExtend: re-positioning workspace of %.1f MiB (%d tokens per pass)",
                     self.repositioning_workspace.nbytes / 2**20,
