@@ -269,11 +269,18 @@ def choose_draft_lengths(
         def goodput(lengths: np.ndarray, weights: np.ndarray | float = 1.0) -> float:
             """Expected tokens per second (accepted drafts divided by ``weights``)."""
             seconds = fixed + per_token * lengths.sum() + resume[lengths > 0].sum()
-            if graphs and uniform_possible and (lengths == uniform_draft_length).all():
+            if uniform_possible and (lengths == uniform_draft_length).all():
                 seconds -= piecewise_cost  # the step stays in the FULL graphs
             gained = rows + (_expected_accepted(usable, lengths) / weights).sum()
             return gained / seconds if seconds > 0 else 0.0
 
+        if uniform_possible and steps == uniform_draft_length and rows:
+            # Every row drafting K keeps the step in the FULL graphs: worth it
+            # when the PIECEWISE step costs more than the extra drafts.
+            uniform = np.full(rows, steps, dtype=np.int64)
+            objective = goodput(uniform, scale)
+            if best is None or objective > best[0]:
+                best = (objective, DraftPlan(uniform, steps, goodput(uniform)))
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
         # is kept when it is worth more than its verification time, a row
@@ -302,13 +309,6 @@ def choose_draft_lengths(
             objective = goodput(lengths, scale)
         if best is None or objective > best[0]:
             best = (objective, DraftPlan(lengths, steps, goodput(lengths)))
-        if uniform_possible and steps == uniform_draft_length and rows:
-            # Every row drafting K keeps the step in the FULL graphs: worth it
-            # when the PIECEWISE step costs more than the extra drafts.
-            uniform = np.full(rows, steps, dtype=np.int64)
-            objective = goodput(uniform, scale)
-            if objective > best[0]:
-                best = (objective, DraftPlan(uniform, steps, goodput(uniform)))
     assert best is not None
     return best[1]
 
