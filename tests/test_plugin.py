@@ -43,12 +43,17 @@ def test_installed_vllm_is_supported():
     check_vllm_version()
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1rc1"])
+def test_both_supported_series_pass_the_version_check(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
 def test_version_check_names_installed_and_supported(version):
     with pytest.raises(UnsupportedVllmVersionError) as error:
         check_vllm_version(version)
     assert f"vLLM {version} is installed" in str(error.value)
-    assert "supports vLLM 0.32.x" in str(error.value)
+    assert "supports vLLM 0.32.x and 0.33.x" in str(error.value)
     assert "VLLM_SPECEXTEND_SKIP_VERSION_CHECK=1" in str(error.value)
 
 

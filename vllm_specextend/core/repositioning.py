@@ -73,6 +73,41 @@ def rotate_keys(
     return torch.cat((rotated.to(keys.dtype), keys[..., rot:]), dim=-1)
 
 
+def rotation_angles_into(positions: torch.Tensor, layout: RotaryLayout, angles: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`rotation_angles` written into ``cos`` and ``sin`` through
+    ``angles`` (each ``[num_tokens, rotary_dim // 2]`` float32): no allocation."""
+    torch.mul(positions.unsqueeze(-1), layout.inv_freq.unsqueeze(0), out=angles)
+    torch.cos(angles, out=cos)
+    torch.sin(angles, out=sin)
+
+
+def rotate_keys_into(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout,
+    out: torch.Tensor, work: torch.Tensor,
+) -> None:
+    """:func:`rotate_keys` written into ``out`` (the keys' shape and dtype),
+    computing in float32 through ``work`` (``[4, num_tokens, num_heads,
+    rotary_dim // 2]``): the same operations, no allocation."""
+    rot, half = layout.rotary_dim, layout.rotary_dim // 2
+    if layout.is_neox_style:
+        first, second = slice(0, half), slice(half, rot)
+    else:
+        first, second = slice(0, rot, 2), slice(1, rot, 2)
+    x1, x2, rotated, product = work
+    x1.copy_(keys[..., first])
+    x2.copy_(keys[..., second])
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    torch.mul(x1, cos, out=rotated)
+    torch.mul(x2, sin, out=product)
+    out[..., first].copy_(rotated.sub_(product))
+    torch.mul(x2, cos, out=rotated)
+    torch.mul(x1, sin, out=product)
+    out[..., second].copy_(rotated.add_(product))
+    if rot < keys.shape[-1]:
+        out[..., rot:].copy_(keys[..., rot:])
+
+
 def token_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Batch row of each of ``num_tokens`` flat tokens (``query_start_loc``: ``[batch + 1]``).
 

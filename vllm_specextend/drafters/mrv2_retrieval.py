@@ -146,9 +146,17 @@ class MRV2Retrieval:
         **kwargs,
     ) -> torch.Tensor:
         view = None
-        if not dummy_run:
+        # vLLM 0.33's skip_drafts steps propose K=0 (the head only keeps its
+        # KV in sync): nothing to draft, nothing to plan.
+        drafts = kwargs.get("num_speculative_tokens") != 0
+        if not dummy_run and drafts:
             view = self.retrieval.plan(self.planning_batch(input_batch, num_rejected))
-        self._activate(view)
+        if self._compact_block_table is not None:
+            self._activate(view)
+        else:
+            # profile_run proposes a dummy batch without attention before
+            # initialize_kv_cache calls set_attn: nothing to stage yet.
+            assert dummy_run, "propose before set_attn outside a dummy run"
         self._num_rows = input_batch.num_reqs
         try:
             return super().propose(
@@ -201,13 +209,15 @@ class MRV2Retrieval:
         """``block_tables`` whose gathered tables are the compacted ones; slot
         mappings still come from the per-request tables (stock)."""
         compact_tables = self._compact_block_tables
-        return Overlay(
-            self.block_tables,
-            input_block_tables=compact_tables,
-            get_dummy_block_tables=lambda num_reqs: tuple(
-                table[:num_reqs].zero_() for table in compact_tables
-            ),
-        )
+
+        def get_dummy_block_tables(num_reqs: int) -> tuple[torch.Tensor, ...]:
+            # Whole tables zeroed: no stale block ids past num_reqs either
+            # (vLLM 0.33 tracks such dirty rows in its own tables; ours are
+            # restaged whole every step).
+            return tuple(table.zero_()[:num_reqs] for table in compact_tables)
+
+        return Overlay(self.block_tables, input_block_tables=compact_tables,
+                       get_dummy_block_tables=get_dummy_block_tables)
 
     def _compacted_input_buffers(self) -> Overlay:
         """``input_buffers`` whose ``seq_lens`` are the compacted ones: for

@@ -11,8 +11,66 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.core.repositioning import RotaryLayout, rotate_keys, rotation_angles
+from vllm_specextend.core.repositioning import (
+    RotaryLayout,
+    rotate_keys,
+    rotate_keys_into,
+    rotation_angles,
+    rotation_angles_into,
+)
 from vllm_specextend.retrieval.layer_hooks import swap_impl_class
+
+WORKSPACE_WINDOWS = 4
+"""Draft windows the re-positioning workspace holds: rows re-selected in one
+step are laid out this many at a time..."""
+WORKSPACE_TOKENS = 8192
+"""...within this many tokens (about 120 MiB for 8 KV heads of 128 dimensions
+in bf16; a longer row is laid out in several passes)."""
+
+
+def repositioning_capacity(draft_window: int) -> int:
+    """Tokens the re-positioning workspace lays out per pass."""
+    return min(WORKSPACE_WINDOWS * draft_window, WORKSPACE_TOKENS)
+
+
+class RepositioningWorkspace:
+    """Fixed buffers that laying working caches out writes through, allocated
+    once at model load (before vLLM measures free memory, so its profile
+    counts them): re-positioning allocates no key-sized temporaries, however
+    many rows a step re-selects."""
+
+    def __init__(self, capacity: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity = capacity
+        """Tokens laid out per pass."""
+        tokens = (capacity, num_kv_heads, head_dim)
+        self.keys = torch.empty(tokens, dtype=dtype, device=device)
+        self.rotated_keys = torch.empty(tokens, dtype=dtype, device=device)
+        self.values = torch.empty(tokens, dtype=dtype, device=device)
+        # Float32 halves of the rotary dimensions (the head dimension bounds them).
+        self.rotation_work = torch.empty((4, capacity, num_kv_heads, head_dim // 2),
+                                         dtype=torch.float32, device=device)
+        self.angles = torch.empty((3, capacity, head_dim // 2), dtype=torch.float32,
+                                  device=device)
+        self.sources = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.targets = torch.empty(capacity, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def bytes_needed(capacity: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        key_sized = 3 * num_kv_heads * head_dim * dtype.itemsize
+        float_work = (4 * num_kv_heads + 3) * (head_dim // 2) * 4
+        return capacity * (key_sized + float_work + 2 * 8)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.rotated_keys, self.values, self.rotation_work, self.angles,
+                self.sources, self.targets]
+
+    def rows_per_pass(self, tokens_per_row: int) -> int:
+        return max(1, self.capacity // max(1, tokens_per_row))
 
 
 class DraftKVCopy:
@@ -28,6 +86,7 @@ class DraftKVCopy:
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        workspace: RepositioningWorkspace | None = None,
     ) -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.num_kv_heads = num_kv_heads
@@ -40,6 +99,11 @@ class DraftKVCopy:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.token_positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         """Positions the draft runs its tokens at in the current forward."""
+        # As tensors: where(..., out=) takes no Python scalar.
+        self._padding_slot = torch.tensor(num_slots, dtype=torch.int64, device=device)
+        self._no_slot = torch.tensor(-1, dtype=torch.int64, device=device)
+        self.workspace = workspace or RepositioningWorkspace(
+            max(max_num_tokens, 1), num_kv_heads, head_dim, dtype, device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -68,25 +132,37 @@ class DraftKVCopy:
         positions: torch.Tensor,
     ) -> None:
         """Write the KV recorded at slots ``sources`` into the draft's cache at
-        slots ``targets``, keys rotated to ``positions``.
+        slots ``targets``, keys rotated to ``positions``, through the fixed
+        workspace (``workspace.capacity`` tokens per pass).
 
         Args:
             layers: the draft's attention layers, by name.
             sources, targets, valid, positions: ``[num_tokens]``; invalid
                 entries are skipped.
         """
-        source = torch.where(valid, sources, self.padding_slot)
-        target = torch.where(valid, targets, -1)
-        cos, sin = rotation_angles(positions, self.rotary)
-        for name, layer in layers.items():
-            index = self.layer_index[name]
-            keys = rotate_keys(self.keys[index, source], cos, sin, self.rotary)
-            values = self.values[index, source]
-            # The stock update: this write must not be recorded again.
-            impl = layer.impl
-            type(impl).__mro__[1].do_kv_cache_update(
-                impl, layer, keys, values, layer.kv_cache, target
-            )
+        work = self.workspace
+        half = self.rotary.rotary_dim // 2
+        for start in range(0, sources.shape[0], work.capacity):
+            end = min(start + work.capacity, sources.shape[0])
+            n = end - start
+            source, target = work.sources[:n], work.targets[:n]
+            torch.where(valid[start:end], sources[start:end], self._padding_slot, out=source)
+            torch.where(valid[start:end], targets[start:end], self._no_slot, out=target)
+            angles, cos, sin = (a[:n, :half] for a in work.angles)
+            rotation_angles_into(positions[start:end], self.rotary, angles, cos, sin)
+            keys, values = work.keys[:n], work.values[:n]
+            rotated = work.rotated_keys[:n]
+            rotation_work = work.rotation_work[:, :n, :, :half]
+            for name, layer in layers.items():
+                index = self.layer_index[name]
+                torch.index_select(self.keys[index], 0, source, out=keys)
+                torch.index_select(self.values[index], 0, source, out=values)
+                rotate_keys_into(keys, cos, sin, self.rotary, rotated, rotation_work)
+                # The stock update: this write must not be recorded again.
+                impl = layer.impl
+                type(impl).__mro__[1].do_kv_cache_update(
+                    impl, layer, rotated, values, layer.kv_cache, target
+                )
 
 
 def install_draft_kv_copy(layers: dict[str, torch.nn.Module], copy: DraftKVCopy) -> None:

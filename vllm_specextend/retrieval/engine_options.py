@@ -48,6 +48,10 @@ class RetrievalSetup:
     draft KV into blocks of their own (:func:`private_layout_blocks`), not
     into cached blocks other requests share."""
     max_num_seqs: int = 0
+    full_graph_query_len: int | None = None
+    """Query length of every request in a decode step that replays the
+    target's FULL CUDA graphs (``1 + K``, vLLM's FULL decode graphs); None:
+    no FULL decode graphs (CPU, eager, PIECEWISE only)."""
 
 
 def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
@@ -66,6 +70,7 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     config = SpecExtendConfig.from_dict(options)
     if not config.enabled:
         return None
+    _note_options(options, config)
     spec = vllm_config.speculative_config
     method = speculative_method(spec)
     if method not in DRAFT_METHODS:
@@ -86,6 +91,7 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     ):
         _check_full_attention(role, model_config)
     _check_kv_cache_reaches_tap(vllm_config)
+    _check_micro_batching(vllm_config)
     if method == "eagle3":
         _check_eagle3_aux_layers(vllm_config)
     if method == "mtp":
@@ -106,6 +112,14 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         )
     if config.controls_speculation:
         _check_speculation_control(vllm_config)
+    if config.retrieves and config.retrieval_refresh == "acceptance":
+        _check_acceptance_refresh(vllm_config)
+    if config.retrieves and vllm_config.use_v2_model_runner and method != "draft_model":
+        _check_mrv2_data_parallel(vllm_config)
+    if config.retrieves and private_layouts_ignored(vllm_config, compact):
+        logger.warning_once(
+            "SpecExtend: option 'private_layouts' has no effect: it applies to compact "
+            "draft positions with prefix caching only; ignored.")
     if vllm_config.use_v2_model_runner:
         logger.warning_once(
             "SpecExtend: Model Runner V2 selected; retrieval runs in its SpecExtend "
@@ -122,7 +136,20 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         private_layouts=(compact and config.private_layouts
                          and bool(vllm_config.cache_config.enable_prefix_caching)),
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        full_graph_query_len=full_decode_graph_query_len(vllm_config),
     )
+
+
+def full_decode_graph_query_len(vllm_config: Any) -> int | None:
+    """``1 + K`` when the V1 runner replays FULL CUDA graphs for uniform
+    decode batches (``cudagraph_mode`` FULL_DECODE_ONLY or FULL_AND_PIECEWISE,
+    vLLM's GPU default): its dispatcher takes a batch as one only when every
+    request verifies ``1 + K`` tokens; any other decode batch runs PIECEWISE
+    (or eagerly). None otherwise (FULL for every batch, PIECEWISE, none)."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is None or mode.decode_mode().name != "FULL" or not mode.separate_routine():
+        return None
+    return 1 + vllm_config.speculative_config.num_speculative_tokens
 
 
 PRIVATE_LAYOUT_SHARE = 0.25
@@ -182,6 +209,111 @@ def controls_speculation(additional_config: Any) -> bool:
     """Whether the user's options ask for goodput control (before validation)."""
     options = spec_extend_options(additional_config)
     return isinstance(options, dict) and options.get("speculation_control", "off") != "off"
+
+
+def needs_synchronous_scheduler(additional_config: Any) -> bool:
+    """Whether the user's options read each step's accepted drafts on the host
+    (goodput control, acceptance-driven refresh), before validation."""
+    options = spec_extend_options(additional_config)
+    if not isinstance(options, dict):
+        return False
+    refreshes_on_acceptance = (options.get("retrieval_refresh") == "acceptance"
+                               and options.get("mode", "cmr") != "off")
+    return controls_speculation(additional_config) or refreshes_on_acceptance
+
+
+def _check_acceptance_refresh(vllm_config: Any) -> None:
+    """Acceptance is read from each request's context length on the host;
+    vLLM's async scheduler counts every draft as accepted there (its
+    ``seq_lens_cpu_upper_bound``) and learns the real count a step late, so
+    the refresh would never fire."""
+    if vllm_config.scheduler_config.async_scheduling:
+        raise SpecExtendConfigError(
+            "spec_extend's retrieval_refresh='acceptance' needs vLLM's synchronous "
+            "scheduler: it reads each request's accepted drafts on the host, which "
+            "the async scheduler only knows a step late (it counts every draft as "
+            "accepted). Remove async_scheduling=True (--async-scheduling; with it "
+            "unset, SpecExtend selects the synchronous scheduler), or use "
+            "retrieval_refresh='interval'."
+        )
+
+
+def _check_micro_batching(vllm_config: Any) -> None:
+    """The tap records the target's query rows from row 0 of a fixed buffer
+    per forward: a second micro-batch would overwrite the first one's."""
+    parallel = vllm_config.parallel_config
+    enable_dbo = bool(getattr(parallel, "enable_dbo", False))
+    ubatch_size = int(getattr(parallel, "ubatch_size", 0) or 0)
+    if enable_dbo or ubatch_size > 1:
+        option = "enable_dbo=True" if enable_dbo else f"ubatch_size={ubatch_size}"
+        raise SpecExtendConfigError(
+            f"spec_extend does not support micro-batching ({option}, --enable-dbo / "
+            "--ubatch-size): each micro-batch's forward would overwrite the target "
+            "queries retrieval recorded for the previous one. Remove the option, or "
+            "spec_extend."
+        )
+
+
+def _check_mrv2_data_parallel(vllm_config: Any) -> None:
+    """In Model Runner V2 an EAGLE head's / MTP layer's step 0 runs eagerly
+    on a rank that compacts a row while other ranks may replay its CUDA graph
+    (``drafters/mrv2_target_dependent.py``); with data parallelism the ranks'
+    forwards (and their collectives) would not match."""
+    size = vllm_config.parallel_config.data_parallel_size
+    if size > 1:
+        raise SpecExtendConfigError(
+            f"spec_extend with an EAGLE head or MTP layer in Model Runner V2 does not "
+            f"support data_parallel_size={size}: a rank that compacts a request runs "
+            "the head's first pass outside its CUDA graph while other ranks may replay "
+            "theirs. Use vLLM's V1 model runner (unset VLLM_USE_V2_MODEL_RUNNER) or "
+            "data_parallel_size=1."
+        )
+
+
+RETRIEVAL_ONLY_OPTIONS = (
+    "chunk_size", "top_k_chunks", "sink_tokens", "recent_tokens", "retrieval_interval",
+    "retrieval_refresh", "acceptance_drop", "min_context_tokens", "score_aggregation",
+    "private_layouts",
+)
+"""Options that shape retrieval: meaningless with ``mode='off'``."""
+
+
+def meaningless_options(options: dict[str, Any], config: SpecExtendConfig) -> dict[str, str]:
+    """The options the user set that another setting makes meaningless, each
+    with the reason."""
+    ignored: dict[str, str] = {}
+    if not config.retrieves:
+        for name in RETRIEVAL_ONLY_OPTIONS:
+            if name in options:
+                ignored[name] = "mode='off' retrieves nothing"
+        return ignored
+    if "acceptance_drop" in options and config.retrieval_refresh != "acceptance":
+        ignored["acceptance_drop"] = (
+            f"retrieval_refresh={config.retrieval_refresh!r} retrieves every "
+            "retrieval_interval steps (set retrieval_refresh='acceptance' to use it)")
+    if "score_aggregation" in options and config.mode != "cmr":
+        ignored["score_aggregation"] = f"mode={config.mode!r} keeps blocks without scores"
+    return ignored
+
+
+def private_layouts_ignored(vllm_config: Any, compact_positions: bool) -> bool:
+    """Whether the user set ``private_layouts`` where it changes nothing."""
+    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
+    if not isinstance(options, dict) or "private_layouts" not in options:
+        return False
+    return not (compact_positions and vllm_config.cache_config.enable_prefix_caching)
+
+
+def _note_options(options: dict[str, Any], config: SpecExtendConfig) -> None:
+    """Say what an empty ``spec_extend`` does, and warn of options that
+    another setting makes meaningless (once per process)."""
+    if not options:
+        logger.info_once(
+            "SpecExtend: no spec_extend options given: the defaults apply "
+            "(mode=%r, speculation_control=%r)", config.mode, config.speculation_control)
+    for name, reason in meaningless_options(options, config).items():
+        logger.warning_once(
+            "SpecExtend: option %r has no effect: %s; ignored.", name, reason)
 
 
 def _check_mtp(spec: Any, use_v2_model_runner: bool) -> None:
@@ -284,6 +416,22 @@ def fit_prefill_chunks_to_draft_window(
         scheduler.max_num_batched_tokens = budget
         scheduler.max_num_encoder_input_tokens = budget
         scheduler.encoder_cache_size = budget
+
+
+def check_layers_write_kv_through_update(layers: dict[str, Any]) -> None:
+    """Refuse attention layers that write their KV in a fused op of the model
+    (vLLM 0.33's ``Attention.kv_cache_update_bypass``): they skip
+    ``do_kv_cache_update``, so the tap (and the plain draft KV copy) would
+    miss their keys. Checked when the drafter attaches, at model load."""
+    bypassing = sorted(name for name, layer in layers.items()
+                       if getattr(layer, "kv_cache_update_bypass", False))
+    if bypassing:
+        raise SpecExtendConfigError(
+            f"spec_extend does not support attention layers that write their KV cache "
+            f"in a fused kernel of the model (kv_cache_update_bypass: {bypassing}): "
+            "retrieval reads the keys in do_kv_cache_update, which they skip. Use a "
+            "model without the fused KV insert, or remove spec_extend."
+        )
 
 
 _UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "half", "float", "float32")

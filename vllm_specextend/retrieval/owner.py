@@ -33,8 +33,17 @@ from vllm_specextend.core.planner import (
 from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.log import plugin_logger
-from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
+from vllm_specextend.retrieval.draft_kv_copy import (
+    DraftKVCopy,
+    RepositioningWorkspace,
+    install_draft_kv_copy,
+    repositioning_capacity,
+)
+from vllm_specextend.retrieval.engine_options import (
+    RetrievalSetup,
+    check_layers_write_kv_through_update,
+    private_layout_blocks,
+)
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
@@ -97,6 +106,7 @@ class DraftRetrieval:
         self.kv_cache_gid = -1
         self.block_size = -1
         self.kv_copy: DraftKVCopy | None = None
+        self.repositioning_workspace: RepositioningWorkspace | None = None
         self.max_num_reqs = max_num_reqs
         self.paused_hidden: PausedHiddenStates | None = None
         """An EAGLE head's recent inputs, for its catch-up (goodput control)."""
@@ -134,13 +144,26 @@ class DraftRetrieval:
             name: layer for name, layer in attention_layers.items()
             if name in draft_layer_names
         }
+        check_layers_write_kv_through_update(
+            {self.target_layer_name: self.target_layer, **self.draft_layers})
         self.planner.allocate_scoring_workspace(self.target_layer, self.dtype)
+        if self.compact_positions:
+            self._allocate_repositioning_workspace()
         logger.info(
             "SpecExtend: scoring with the target's last attention layer %s "
             "(mode=%s, draft positions %s, draft window %d)",
             self.target_layer_name, self.config.mode,
             "compact" if self.compact_positions else "original", self.draft_window,
         )
+
+    def _allocate_repositioning_workspace(self) -> None:
+        layer = next(iter(self.draft_layers.values()))
+        self.repositioning_workspace = RepositioningWorkspace(
+            repositioning_capacity(self.draft_window), layer.num_kv_heads, layer.head_size,
+            self.dtype, self.device)
+        logger.info("SpecExtend: re-positioning workspace of %.1f MiB (%d tokens per pass)",
+                    self.repositioning_workspace.nbytes / 2**20,
+                    self.repositioning_workspace.capacity)
 
     def keep_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """At model load, for a drafter fed the target's hidden states (an
@@ -240,6 +263,7 @@ class DraftRetrieval:
             max_num_tokens=self.max_num_tokens,
             dtype=self.dtype,
             device=self.device,
+            workspace=self.repositioning_workspace,
         )
         install_draft_kv_copy(self.draft_layers, self.kv_copy)
         bytes_per_token = self._kv_copy_bytes_per_token()
@@ -281,16 +305,21 @@ class DraftRetrieval:
         request's private blocks)."""
         assert self.kv_copy is not None
         length = min(max_context_len, self.draft_window)
-        sources, valid = working_cache_slots(
-            kept_table[rows], context_lens[rows], length, self.block_size
-        )
-        targets, _ = working_cache_slots(
-            draft_table[rows], context_lens[rows], length, self.block_size
-        )
-        positions = torch.arange(length, device=self.device).repeat(rows.shape[0])
-        self.kv_copy.write_working_cache(
-            self.draft_layers, sources.flatten(), targets.flatten(), valid.flatten(), positions
-        )
+        # Rows in groups the workspace holds: index temporaries stay bounded too.
+        per_pass = self.kv_copy.workspace.rows_per_pass(length)
+        for start in range(0, rows.shape[0], per_pass):
+            group = rows[start:start + per_pass]
+            sources, valid = working_cache_slots(
+                kept_table[group], context_lens[group], length, self.block_size
+            )
+            targets, _ = working_cache_slots(
+                draft_table[group], context_lens[group], length, self.block_size
+            )
+            positions = torch.arange(length, device=self.device).repeat(group.shape[0])
+            self.kv_copy.write_working_cache(
+                self.draft_layers, sources.flatten(), targets.flatten(), valid.flatten(),
+                positions,
+            )
 
     def reconfigure(self, config: SpecExtendConfig) -> None:
         """Swap retrieval options between requests (the benchmarks' sweep and
@@ -321,6 +350,7 @@ class DraftRetrieval:
                 # A prompt at compact positions is prefilled in chunks the
                 # window allows; a head keeps only recent hidden states.
                 defer_prompts=self.setup.method == "draft_model" and not self.compact_positions,
+                full_graph_query_len=self.setup.full_graph_query_len,
             )
 
     def metrics_snapshot(self) -> dict[str, object]:

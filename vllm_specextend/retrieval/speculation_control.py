@@ -47,6 +47,7 @@ class SpeculationControl:
         synced_lead: int = 1,
         max_catch_up: int | None = None,
         defer_prompts: bool = False,
+        full_graph_query_len: int | None = None,
     ) -> None:
         """Args:
             free_pause: a step where nobody drafts skips the draft's forward.
@@ -58,6 +59,9 @@ class SpeculationControl:
             defer_prompts: a step of prompt chunks may skip the draft's
                 forward too (a drafter that can catch up a whole prompt: a
                 draft model at the target's positions).
+            full_graph_query_len: ``1 + K`` when the target replays FULL CUDA
+                graphs for uniform decode steps only: the controller learns
+                what leaving them costs (``GoodputController``).
         """
         self.free_pause = free_pause
         self.defer_prompts = defer_prompts and free_pause
@@ -65,7 +69,8 @@ class SpeculationControl:
         self.max_catch_up = max_catch_up
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
-        self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause)
+        self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause,
+                                            full_graph_query_len=full_graph_query_len)
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._catch_up_limits: dict[str, int] | None = None
