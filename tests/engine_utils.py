@@ -181,21 +181,23 @@ def watch_draft_reads(worker) -> None:
     reads: whenever the planner's view of the step compacts a row, the draft
     layer's attention metadata must hold the view's block table over the
     blocks its ``seq_lens`` cover, and those lengths must be the view's kept
-    context plus the draft's query (not the whole context). Counts and the
+    context plus the draft's tokens of the step (not the whole context). Counts and the
     compacted tables read go to ``draft_reads``."""
     import torch
     from vllm.forward_context import get_forward_context
 
     drafter = worker.model_runner.drafter
     drafter._test_reads = {"forwards": 0, "compacted_forwards": 0, "stale_reads": 0,
-                           "tables": []}
+                           "stale_examples": [], "tables": []}
     if getattr(drafter, "_test_reads_hooked", False):
         return
     drafter._test_reads_hooked = True
+    drafter._test_first_pass = (None, [])
     layer = sorted(drafter._draft_attn_layer_names)[0]
     block_size = drafter.retrieval.block_size
-    # The longest draft query: K + 1 tokens at the first pass, K - 1 drafts after.
-    max_query = 2 * drafter.num_speculative_tokens + 1
+    # Beyond the kept context: the row's query at the proposal's first pass
+    # (K + 1 tokens, or a windowed prefill chunk), and a draft per later step.
+    max_query = drafter.num_speculative_tokens
 
     def check(module, args, kwargs):
         reads = drafter._test_reads
@@ -206,15 +208,24 @@ def watch_draft_reads(worker) -> None:
         metadata = get_forward_context().attn_metadata
         metadata = (metadata[0] if isinstance(metadata, list) else metadata)[layer]
         reads["compacted_forwards"] += 1
+        if drafter._test_first_pass[0] is not view:
+            # The proposal's first forward: its rows' query lengths.
+            drafter._test_first_pass = (view, metadata.query_start_loc.diff().tolist())
+        first_query_lens = drafter._test_first_pass[1]
         tables = []
         for row in torch.nonzero(view.removed_tokens > 0).flatten().tolist():
             seq_len = int(metadata.seq_lens[row])
             blocks = -(-seq_len // block_size)
             table = metadata.block_table[row, :blocks]
             tables.append(table.tolist())
-            if (not 0 < seq_len - int(view.kept_context_lens[row]) <= max_query
+            if (not 0 < seq_len - int(view.kept_context_lens[row])
+                    <= first_query_lens[row] + max_query
                     or not torch.equal(table, view.block_table[row, :blocks])):
                 reads["stale_reads"] += 1
+                if len(reads["stale_examples"]) < 3:
+                    reads["stale_examples"].append(
+                        {"seq_len": seq_len, "kept_context": int(view.kept_context_lens[row]),
+                         "read": table.tolist(), "view": view.block_table[row, :blocks].tolist()})
         reads["tables"].append(tables)
 
     drafter.model.register_forward_pre_hook(check, with_kwargs=True)
@@ -244,7 +255,7 @@ def assert_drafted_from_compacted_views(run: EngineRun, min_draft_tokens: int,
     assert counters["num_accepted_tokens"] >= min_accepted_tokens, counters
     for rank in reads:
         assert rank["compacted_forwards"] >= min_compacted_forwards, rank["compacted_forwards"]
-        assert rank["stale_reads"] == 0, rank["stale_reads"]
+        assert rank["stale_reads"] == 0, (rank["stale_reads"], rank["stale_examples"])
 
 
 def generate_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:
