@@ -249,12 +249,11 @@ def assert_drafted_from_compacted_views(run: EngineRun, min_draft_tokens: int,
     or the whole block table (``watch_draft_reads``, on every rank)."""
     counters = run.spec_decode
     reads = run.worker_reports
-    print("drafted", counters["num_draft_tokens"], "accepted", counters["num_accepted_tokens"],
-          "compacted forwards", [r["compacted_forwards"] for r in reads])
     assert counters["num_draft_tokens"] >= min_draft_tokens, counters
     assert counters["num_accepted_tokens"] >= min_accepted_tokens, counters
     for rank in reads:
-        assert rank["compacted_forwards"] >= min_compacted_forwards, rank["compacted_forwards"]
+        assert rank["compacted_forwards"] >= min_compacted_forwards, (
+            "compacted draft forwards", rank["compacted_forwards"])
         assert rank["stale_reads"] == 0, (rank["stale_reads"], rank["stale_examples"])
 
 
