@@ -181,8 +181,8 @@ def watch_draft_reads(worker) -> None:
     reads: whenever the planner's view of the step compacts a row, the draft
     layer's attention metadata must hold the view's block table over the
     blocks its ``seq_lens`` cover, and those lengths must be the view's kept
-    context plus the draft's tokens of the step (not the whole context). Counts and the
-    compacted tables read go to ``draft_reads``."""
+    context plus the draft's tokens of the step (not the whole context).
+    Counts and the compacted tables read go to ``draft_reads``."""
     import torch
     from vllm.forward_context import get_forward_context
 

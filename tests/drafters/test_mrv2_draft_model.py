@@ -176,8 +176,8 @@ def prepare_prefill_inputs(input_buffers, input_batch, last_sampled, num_rejecte
         expanded_input_ids[out: out + query_len + 1] = 0
         expanded_input_ids[out: out + num_valid] = input_batch.input_ids[start: start + num_valid]
         expanded_input_ids[out + num_valid] = last_sampled[int(input_batch.idx_mapping[i])]
-        expanded_positions[out: out + query_len + 1] = (
-            input_batch.positions[start] + torch.arange(query_len + 1)).clamp(max=max_model_len - 1)
+        positions = input_batch.positions[start] + torch.arange(query_len + 1)
+        expanded_positions[out: out + query_len + 1] = positions.clamp(max=max_model_len - 1)
         last_token_indices[i] = out + num_valid
         input_buffers.query_start_loc[i] = out
         input_buffers.seq_lens[i] = min(int(input_batch.seq_lens[i]) + 1, max_model_len)
