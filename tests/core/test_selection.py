@@ -72,6 +72,7 @@ def test_tensor_parallel_ranks_sum_partial_scores_and_select_alike(tmp_path):
     # another pair than the whole model (chunks 2 and 4).
     for kv_head, chunk, strength in ((0, 2, 3.0), (1, 5, 1.0), (2, 4, 3.0), (3, 1, 1.0)):
         towards = q[:, 0, 2 * kv_head : 2 * kv_head + 2].mean(1)
+        # Scale 0.25 and |q| ~ 4: a logit of about ``strength`` over the chunk.
         towards = towards / towards.norm(dim=-1, keepdim=True) * strength / 0.25 / 4
         k[:, 32 * chunk : 32 * chunk + 32, kv_head] += towards[:, None]
     pos = torch.tensor([[255], [200]])

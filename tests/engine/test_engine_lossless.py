@@ -84,6 +84,9 @@ def test_streaming_equals_target_alone(target_model, draft_model, prompts, targe
 def test_cmr_under_torch_compile_equals_target_alone(
     target_model, draft_model, prompts, target_alone
 ):
+    """Every draft forward read the compacted view. Mutations: the V1 drafter
+    not swapping in the view's block table (528 stale reads), or swapping in
+    the previous step's (39 stale reads), fail it."""
     run = run_engine(target_model, prompts, MAX_TOKENS, draft=draft_model,
                      spec_extend=SMALL_CACHE, enforce_eager=False, worker_hooks=DRAFT_READS)
     assert run.token_ids == target_alone
