@@ -46,6 +46,9 @@ class EngineRun:
     """Per request (first pass), vLLM's ``RequestSpecDecodeMetrics`` when the
     engine ran with ``per_request_spec_decode_metrics``, else None."""
     num_kv_blocks: int
+    worker_reports: list[Any] | None = None
+    """With ``run_engine(..., worker_hooks=(install, report))``: what
+    ``report`` returned on each worker (one per tensor-parallel rank)."""
 
 
 def accepted_draft_tokens(request_metrics) -> int:
@@ -138,12 +141,21 @@ def run_engine(
     spec_extend: dict | None = None,
     repeat: int = 1,
     draft_window: int | None = None,
+    worker_hooks: tuple[Any, Any] | None = None,
     **overrides,
 ) -> EngineRun:
     """Greedy outputs of ``prompts``, generated ``repeat`` times in one engine
-    (the later passes hit the prefix cache when it is on)."""
+    (the later passes hit the prefix cache when it is on). ``worker_hooks``:
+    ``(install, report)``, functions of a worker run on every worker before
+    the generation and after it (e.g. ``watch_draft_reads``,
+    ``draft_reads``)."""
     with engine(target, draft, k, spec_extend, draft_window, **overrides) as llm:
-        return collect_run(llm, prompts, max_tokens, repeat)
+        if worker_hooks is not None:
+            llm.collective_rpc(worker_hooks[0])
+        run = collect_run(llm, prompts, max_tokens, repeat)
+        if worker_hooks is not None:
+            run.worker_reports = llm.collective_rpc(worker_hooks[1])
+        return run
 
 
 def collect_run(llm, prompts: list[list[int]], max_tokens: int, repeat: int = 1) -> EngineRun:
@@ -162,6 +174,87 @@ def collect_run(llm, prompts: list[list[int]], max_tokens: int, repeat: int = 1)
         request_spec_decode,
         llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     )
+
+
+def watch_draft_reads(worker) -> None:
+    """From now on, check what every draft forward of a V1-runner drafter
+    reads: whenever the planner's view of the step compacts a row, the draft
+    layer's attention metadata must hold the view's block table over the
+    blocks its ``seq_lens`` cover, and those lengths must be the view's kept
+    context plus the draft's tokens of the step (not the whole context).
+    Counts and the compacted tables read go to ``draft_reads``."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    drafter = worker.model_runner.drafter
+    drafter._test_reads = {"forwards": 0, "compacted_forwards": 0, "stale_reads": 0,
+                           "stale_examples": [], "tables": []}
+    if getattr(drafter, "_test_reads_hooked", False):
+        return
+    drafter._test_reads_hooked = True
+    drafter._test_first_pass = (None, [])
+    layer = sorted(drafter._draft_attn_layer_names)[0]
+    block_size = drafter.retrieval.block_size
+    # Beyond the kept context: the row's query at the proposal's first pass
+    # (K + 1 tokens, or a windowed prefill chunk), and a draft per later step.
+    max_query = drafter.num_speculative_tokens
+
+    def check(module, args, kwargs):
+        reads = drafter._test_reads
+        reads["forwards"] += 1
+        view = drafter._draft_view
+        if view is None or not bool((view.removed_tokens > 0).any()):
+            return
+        metadata = get_forward_context().attn_metadata
+        metadata = (metadata[0] if isinstance(metadata, list) else metadata)[layer]
+        reads["compacted_forwards"] += 1
+        if drafter._test_first_pass[0] is not view:
+            # The proposal's first forward: its rows' query lengths.
+            drafter._test_first_pass = (view, metadata.query_start_loc.diff().tolist())
+        first_query_lens = drafter._test_first_pass[1]
+        tables = []
+        for row in torch.nonzero(view.removed_tokens > 0).flatten().tolist():
+            seq_len = int(metadata.seq_lens[row])
+            blocks = -(-seq_len // block_size)
+            table = metadata.block_table[row, :blocks]
+            tables.append(table.tolist())
+            if (not 0 < seq_len - int(view.kept_context_lens[row])
+                    <= first_query_lens[row] + max_query
+                    or not torch.equal(table, view.block_table[row, :blocks])):
+                reads["stale_reads"] += 1
+                if len(reads["stale_examples"]) < 3:
+                    reads["stale_examples"].append(
+                        {"seq_len": seq_len, "kept_context": int(view.kept_context_lens[row]),
+                         "read": table.tolist(), "view": view.block_table[row, :blocks].tolist()})
+        reads["tables"].append(tables)
+
+    drafter.model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def draft_reads(worker) -> dict[str, Any]:
+    """``watch_draft_reads``' counts, and per compacted forward the block
+    table rows the draft read (compacted rows only)."""
+    return dict(worker.model_runner.drafter._test_reads)
+
+
+DRAFT_READS = (watch_draft_reads, draft_reads)
+"""``run_engine(..., worker_hooks=DRAFT_READS)``: check what the draft read."""
+
+
+def assert_drafted_from_compacted_views(run: EngineRun, min_draft_tokens: int,
+                                        min_accepted_tokens: int,
+                                        min_compacted_forwards: int) -> None:
+    """Drafts were made and some accepted (floors from what the tiny models
+    give), and the draft's forwards read the compacted views, never a stale
+    or the whole block table (``watch_draft_reads``, on every rank)."""
+    counters = run.spec_decode
+    reads = run.worker_reports
+    assert counters["num_draft_tokens"] >= min_draft_tokens, counters
+    assert counters["num_accepted_tokens"] >= min_accepted_tokens, counters
+    for rank in reads:
+        assert rank["compacted_forwards"] >= min_compacted_forwards, (
+            "compacted draft forwards", rank["compacted_forwards"])
+        assert rank["stale_reads"] == 0, (rank["stale_reads"], rank["stale_examples"])
 
 
 def generate_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:

@@ -38,27 +38,68 @@ def test_attention_scores_match_dense_softmax_with_gqa():
     torch.testing.assert_close(got.sum(-1)[0], torch.tensor([8.0, 8.0, 0.0]))
 
 
-def test_tensor_parallel_partial_scores_sum_to_full_and_select_alike():
-    # With tensor parallelism each rank holds a slice of the query and KV
-    # heads; the planner all-reduces (sums) its partial scores. The sum of
-    # the per-rank partials must be the full-model score, so every rank
-    # selects the same blocks.
+def _tensor_parallel_rank(rank: int, port: int, partials: list, out_dir: str) -> None:
+    """One tensor-parallel rank (a process of its own): vLLM's distributed state
+    over gloo, then the package's sum over ranks of this rank's partial scores."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from vllm_specextend.retrieval.owner import sum_over_tensor_parallel_ranks
+
+    init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    with set_current_vllm_config(VllmConfig()):
+        initialize_model_parallel(tensor_model_parallel_size=2, backend="gloo")
+    torch.save(sum_over_tensor_parallel_ranks(partials[rank].clone()), f"{out_dir}/rank{rank}.pt")
+
+
+def test_tensor_parallel_ranks_sum_partial_scores_and_select_alike(tmp_path):
+    """Each rank scores with its own slice of the query and KV heads; the
+    planner sums the per-rank chunk scores with vLLM's tensor-parallel
+    all-reduce (``retrieval/owner.py::sum_over_tensor_parallel_ranks``), run
+    here by two gloo ranks. The sum is the full model's score, so every rank
+    keeps the same blocks. Mutation: ``sum_over_tensor_parallel_ranks``
+    returning its input unchanged (no all-reduce) fails the comparison."""
+    from torch import multiprocessing
+
+    from benchmarks.serve import free_port
+
     torch.manual_seed(1)
     q = torch.randn(2, 1, 8, 16)
     k = torch.randn(2, 256, 4, 16)
+    # Rank 0's heads (KV heads 0-1) favour chunk 2 and, less, chunk 5; rank
+    # 1's (KV heads 2-3) chunk 4 and, less, chunk 1: each rank alone keeps
+    # another pair than the whole model (chunks 2 and 4).
+    for kv_head, chunk, strength in ((0, 2, 3.0), (1, 5, 1.0), (2, 4, 3.0), (3, 1, 1.0)):
+        towards = q[:, 0, 2 * kv_head : 2 * kv_head + 2].mean(1)
+        # Scale 0.25 and |q| ~ 4: a logit of about ``strength`` over the chunk.
+        towards = towards / towards.norm(dim=-1, keepdim=True) * strength / 0.25 / 4
+        k[:, 32 * chunk : 32 * chunk + 32, kv_head] += towards[:, None]
     pos = torch.tensor([[255], [200]])
-    full = attention_scores(q, k, pos, scale=0.25)
-    ranks = [attention_scores(q[:, :, 4 * r : 4 * r + 4], k[:, :, 2 * r : 2 * r + 2], pos, 0.25)
-             for r in range(2)]
-    torch.testing.assert_close(ranks[0] + ranks[1], full)
     seq_lens = torch.tensor([256, 201])
-    chunks = chunk_scores((ranks[0] + ranks[1]).sum(1), seq_lens, 32)
-    assert not torch.equal(ranks[0], ranks[1])
-    keep = select_blocks(chunks, torch.tensor([6, 4]), top_k_chunks=2, sink_blocks=1,
-                         blocks_per_chunk=2, num_blocks=16)
-    want = select_blocks(chunk_scores(full.sum(1), seq_lens, 32), torch.tensor([6, 4]),
-                         top_k_chunks=2, sink_blocks=1, blocks_per_chunk=2, num_blocks=16)
-    assert torch.equal(keep, want)
+    full = attention_scores(q, k, pos, scale=0.25)
+    partials = [chunk_scores(attention_scores(q[:, :, 4 * r : 4 * r + 4],
+                                              k[:, :, 2 * r : 2 * r + 2], pos, 0.25).sum(1),
+                             seq_lens, 32)
+                for r in range(2)]
+
+    def keep(chunks):
+        # Candidates: chunks 1-6 of row 0, 1-5 of row 1 (blocks of 16 tokens).
+        return select_blocks(chunks, torch.tensor([14, 12]), top_k_chunks=2, sink_blocks=2,
+                             blocks_per_chunk=2, num_blocks=16)
+
+    want = keep(chunk_scores(full.sum(1), seq_lens, 32))
+    assert kept(want[0]) == [0, 1, 4, 5, 8, 9, 14, 15]
+    assert kept(want[1]) == [0, 1, 4, 5, 8, 9, 12, 13, 14, 15]
+    # A rank selecting from its own heads alone would keep other blocks.
+    assert not torch.equal(keep(partials[0]), want)
+    assert not torch.equal(keep(partials[1]), want)
+    multiprocessing.spawn(_tensor_parallel_rank, args=(free_port(), partials, str(tmp_path)),
+                          nprocs=2)
+    for rank in range(2):
+        summed = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(summed, partials[0] + partials[1])
+        assert torch.equal(keep(summed), want)
 
 
 def test_context_keys_follow_the_block_table():

@@ -1,6 +1,7 @@
 """Model Runner V2 (vLLM's default GPU runner): which runner an engine gets,
-and the MRV2 seam (``SpecExtendARSpeculator``) as far as it runs without
-Triton kernels. MRV2's kernels need CUDA: the engine test skips on CPU."""
+and the MRV2 seam (``SpecExtendARSpeculator``) run through vLLM's own
+``StandaloneARSpeculator.propose`` on CPU, its Triton kernel replaced by a torch
+version. MRV2's kernels need CUDA: the engine test skips on CPU."""
 
 import types
 
@@ -128,6 +129,9 @@ def speculator(target_model, draft_model, monkeypatch):
         block_sizes=[BLOCK_SIZE],
         input_block_tables=[torch.arange(4 * max_blocks, dtype=torch.int32).view(4, -1)],
         slot_mappings=torch.zeros(1, 64, dtype=torch.int64),
+        # Slot mappings (KV writes) stay stock: not what these tests look at.
+        compute_slot_mappings=lambda *args, **kwargs: torch.zeros(1, 64, dtype=torch.int64),
+        cp_size=1,
     )
     kv_cache_config = types.SimpleNamespace(
         num_blocks=4 * max_blocks,
@@ -141,9 +145,12 @@ def input_batch(query_lens, context_lens, prompt_lens):
     query_lens, context_lens = np.array(query_lens), np.array(context_lens)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     seq_lens = (context_lens + query_lens).astype(np.int32)
+    num_tokens = int(query_start_loc[-1])
     return types.SimpleNamespace(
-        num_reqs=len(query_lens),
+        num_reqs=len(query_lens), num_tokens=num_tokens,
         req_ids=[f"req-{i}" for i in range(len(query_lens))],
+        idx_mapping=torch.arange(len(query_lens)),
+        input_ids=torch.arange(num_tokens, dtype=torch.int32),
         query_start_loc=torch.from_numpy(query_start_loc),
         query_start_loc_np=query_start_loc,
         seq_lens=torch.from_numpy(seq_lens),
@@ -154,56 +161,83 @@ def input_batch(query_lens, context_lens, prompt_lens):
     )
 
 
-def draft_metadata_builds(spec, monkeypatch, batch, num_rejected, dummy_run=False):
-    """Run ``propose`` with a stand-in for MRV2's drafting loop (Triton) that
-    builds the draft's attention metadata at step 0 and one decode step, and
-    return what each build handed vLLM's ``build_attn_metadata``."""
-    from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
-    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
-    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
-        StandaloneARSpeculator,
-    )
+def prepare_prefill_inputs(input_buffers, input_batch, last_sampled, num_rejected,
+                           expanded_input_ids, expanded_positions, last_token_indices,
+                           max_num_reqs, max_model_len):
+    """A torch version of the standalone speculator's step-0 Triton kernel
+    (vllm/v1/worker/gpu/spec_decode/standalone_ar/speculator.py): each row's
+    accepted tokens, its correction token, then its rejected slots."""
+    num_reqs = input_batch.num_reqs
+    qsl = input_batch.query_start_loc.tolist()
+    for i in range(num_reqs):
+        start, query_len = qsl[i], qsl[i + 1] - qsl[i]
+        num_valid = query_len - int(num_rejected[i])
+        out = start + i
+        expanded_input_ids[out: out + query_len + 1] = 0
+        expanded_input_ids[out: out + num_valid] = input_batch.input_ids[start: start + num_valid]
+        expanded_input_ids[out + num_valid] = last_sampled[int(input_batch.idx_mapping[i])]
+        positions = input_batch.positions[start] + torch.arange(query_len + 1)
+        expanded_positions[out: out + query_len + 1] = positions.clamp(max=max_model_len - 1)
+        last_token_indices[i] = out + num_valid
+        input_buffers.query_start_loc[i] = out
+        input_buffers.seq_lens[i] = min(int(input_batch.seq_lens[i]) + 1, max_model_len)
+    total = qsl[num_reqs] + num_reqs
+    input_buffers.query_start_loc[num_reqs:] = total
+    input_buffers.seq_lens[num_reqs:] = 0
+    last_token_indices[num_reqs:] = 0
+    return total
 
-    builds = []
+
+def propose_through_vllm(spec, monkeypatch, batch, num_rejected, dummy_run=False):
+    """Run vLLM's own ``StandaloneARSpeculator.propose`` (``_prefill``, then
+    ``_multi_step_decode``) under our ``propose``, its Triton kernel replaced
+    by a torch version, the draft's forward by a recorder of its positions and
+    draft sampling by a constant; return what each attention metadata build
+    handed vLLM's ``build_attn_metadata`` and the forwards."""
+    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar import speculator as standalone_module
+
+    builds, forwards = [], []
 
     def build_attn_metadata(**kwargs):
         builds.append({"seq_lens": kwargs["seq_lens"].clone(),
                        "block_table": kwargs["block_tables"][0].clone()})
         return {}
 
-    def drafting_loop(self, input_batch, *args, **kwargs):
-        num_reqs = input_batch.num_reqs
-        # Step 0: the expanded query (+1 correction token) of each row.
-        self.input_buffers.seq_lens[:num_reqs] = input_batch.seq_lens + 1
-        for step in (0, 2):
-            self._build_attn_metadata(
-                num_reqs=num_reqs,
-                batch_desc=BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE,
-                                                    num_tokens=num_reqs, num_reqs=num_reqs),
-                query_start_loc_np=np.arange(num_reqs + 1, dtype=np.int32),
-                seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound,
-                step=step,
-            )
-            self.input_buffers.seq_lens[:num_reqs] += 1  # the decode loop's advance
-        return torch.zeros(num_reqs, K, dtype=torch.int64)
+    def run_model(self, input_ids, positions, *args):
+        forwards.append(positions.clone())
+        return torch.zeros(input_ids.shape[0], self.hidden_size)
 
     monkeypatch.setattr(speculator_module, "build_attn_metadata", build_attn_metadata)
-    monkeypatch.setattr(StandaloneARSpeculator, "propose", drafting_loop)
+    monkeypatch.setattr(standalone_module, "prepare_prefill_inputs", prepare_prefill_inputs)
+    monkeypatch.setattr(standalone_module.StandaloneARSpeculator, "_run_model", run_model)
+    monkeypatch.setattr(spec, "sample_draft", lambda hidden_states, *args: torch.full(
+        (hidden_states.shape[0],), 7, dtype=torch.int64), raising=False)
+    if getattr(spec, "model", None) is None:
+        spec.model = torch.nn.Identity()  # what MRV2's load_model sets (read: not None)
     stock_buffers = spec.input_buffers
-    spec.propose(batch, {}, {}, None, None, torch.ones(batch.num_reqs), num_rejected,
-                 dummy_run=dummy_run)
+    max_reqs = spec.max_num_reqs
+    drafts = spec.propose(batch, {}, {}, None, None, torch.ones(batch.num_reqs), num_rejected,
+                          torch.full((max_reqs,), 5, dtype=torch.int64),
+                          torch.zeros(max_reqs, dtype=torch.int64), torch.zeros(max_reqs),
+                          torch.zeros(max_reqs, dtype=torch.int64), dummy_run=dummy_run)
+    assert drafts.tolist() == [[7] * K] * batch.num_reqs
+    assert len(forwards) == K  # step 0, then K - 1 decode steps
     assert spec.input_buffers is stock_buffers and spec._draft_view is None
     return builds
 
 
 def test_propose_hands_the_compacted_view_to_every_draft_build(speculator, monkeypatch):
+    """vLLM's own drafting loop reads the compacted view at every build.
+    Mutations that fail it: ``MRV2Retrieval._activate`` not writing the view's
+    block table (the draft reads the whole context); ``_build_attn_metadata``
+    not refreshing the compacted lengths (the decode steps read step 0's)."""
     # A decode row at 3000 tokens (one draft rejected), a last prompt chunk of
     # K + 1 tokens, and a short decode row.
     batch = input_batch(query_lens=[K + 1, K + 1, K + 1], context_lens=[3000, 2996, 500],
                         prompt_lens=[1000, 3000, 400])
     num_rejected = torch.tensor([1, 0, 0])
-    builds = draft_metadata_builds(speculator, monkeypatch, batch, num_rejected)
+    builds = propose_through_vllm(speculator, monkeypatch, batch, num_rejected)
 
     table = speculator.block_tables.input_block_tables[0]
     keep = torch.ones_like(table, dtype=torch.bool)
@@ -213,17 +247,20 @@ def test_propose_hands_the_compacted_view_to_every_draft_build(speculator, monke
     keep[0, 90] = False
     expected_table, removed = rewrite_block_table(table[:3], keep[:3], BLOCK_SIZE)
     assert removed.tolist() == [86 * BLOCK_SIZE, 0, 0]
-    step0_seq_lens = batch.seq_lens + 1
-    assert len(builds) == 2
-    for i, build in enumerate(builds):
+    # Step 0 reads the expanded query (+1 correction token); decode step s
+    # the accepted tokens, the correction token and s drafts.
+    expected_seq_lens = [batch.seq_lens + 1] + [batch.seq_lens - num_rejected + 1 + step
+                                                for step in range(1, K)]
+    assert len(builds) == K
+    for build, seq_lens in zip(builds, expected_seq_lens):
         assert torch.equal(build["block_table"], expected_table)
-        assert torch.equal(build["seq_lens"], step0_seq_lens + i - removed)
+        assert torch.equal(build["seq_lens"], seq_lens - removed)
     figures = speculator.retrieval.planner.stats.as_dict()
     assert figures["retrievals"] == 1
     # Tokens gained at the verification: K + 1 minus the rejected draft.
     assert figures["mean_acceptance_length"] == K
     # MRV2's own buffers keep the stock lengths.
-    assert torch.equal(speculator.input_buffers.seq_lens[:3], step0_seq_lens + 2)
+    assert torch.equal(speculator.input_buffers.seq_lens[:3], expected_seq_lens[-1])
 
 
 def test_dummy_runs_and_short_batches_draft_stock(speculator, monkeypatch):
@@ -231,8 +268,9 @@ def test_dummy_runs_and_short_batches_draft_stock(speculator, monkeypatch):
     short = input_batch(query_lens=[K + 1], context_lens=[500], prompt_lens=[400])
     long = input_batch(query_lens=[K + 1], context_lens=[3000], prompt_lens=[1000])
     for batch, dummy_run in ((short, False), (long, True)):
-        builds = draft_metadata_builds(speculator, monkeypatch, batch,
-                                       torch.zeros(1, dtype=torch.int64), dummy_run)
+        builds = propose_through_vllm(speculator, monkeypatch, batch,
+                                      torch.zeros(1, dtype=torch.int64), dummy_run)
+        assert len(builds) == K
         assert all(torch.equal(b["block_table"], table[:1]) for b in builds)
         assert builds[0]["seq_lens"][0] == batch.seq_lens[0] + 1
 

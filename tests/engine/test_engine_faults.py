@@ -33,6 +33,9 @@ def settle_and_count(llm) -> int:
 @DRAFT_POSITIONS
 def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model, draft_window,
                                                   target_reference):
+    """Mutation: ``RetrievalPlanner._forget_requests_not_in`` releasing
+    nothing (finished and preempted requests keep their state) fails the
+    count after settling; retrieval never engaging fails the count before."""
     prompts = corpus_prompts(target_model, [600, 650, 700, 750])
     reference = target_reference(target_model, prompts, 200)
     # Target and draft each hold 4 layers x (K, V) x 2 heads x 32 dims x fp32
@@ -50,7 +53,13 @@ def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model, dra
                        if m.name == "vllm:num_preemptions"]
         assert [list(o.outputs[0].token_ids) for o in outputs] == reference
         assert preemptions and preemptions[0] > 0
+        # State was made before it was released: every request was tracked
+        # (the last ones to finish are released at the next step).
+        figures = retrieval_metrics(llm)
+        assert figures["retrievals"] > 0
+        assert figures["tracked_requests"] + figures["finished_requests"] >= len(prompts)
         assert settle_and_count(llm) == 0
+        assert retrieval_metrics(llm)["finished_requests"] >= len(prompts)
 
 
 @DRAFT_POSITIONS
