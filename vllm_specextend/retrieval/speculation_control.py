@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from vllm_specextend.core.goodput import DraftPlan, GoodputController
+from vllm_specextend.core.goodput import DraftPlan, GoodputController, StepOutcome
 
 
 class SpeculationControl:
@@ -137,14 +137,15 @@ class SpeculationControl:
         prefilling = bool(prefilling_rows.any())
         runs = not (self.free_pause and plan.draft_steps == 0 and not (
             prefilling and (plan.draft_prefill or not self.defer_prompts)))
-        if not self.forced_pause:
-            self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
+        deferred_tokens = 0
         if prefilling and not runs:
             # A caught-up request would not draft now: its prompt waits.
             self._deferred.update(r for r, p in zip(req_ids, prefilling_rows) if p)
-            if not self.forced_pause:
-                self.controller.record_deferred_prefill(
-                    int(np.where(prefilling_rows, query_lens, 0).sum()))
+            deferred_tokens = int(np.where(prefilling_rows, query_lens, 0).sum())
+        if not self.forced_pause:
+            self.controller.observe(StepOutcome(
+                draft_forwards=max(plan.draft_steps, 1) if runs else 0,
+                deferred_prefill_tokens=deferred_tokens))
         self._synced = set(req_ids) if runs else set()
         if self._blocks is not None:
             seq_lens = context_lens + query_lens
@@ -238,7 +239,7 @@ class SpeculationControl:
                 first_written = int(context_lens[row] - gaps[row])
                 self._holes += table[row, int(context_lens[row] - full_gaps[row]) // size:
                                      -(-first_written // size)].tolist()
-        self.controller.record_catch_up(int(gaps.sum()))
+        self.controller.observe(StepOutcome(catch_up_tokens=int(gaps.sum())))
         return context_lens - gaps
 
     def _frontiers(self, req_ids: list[str]) -> np.ndarray:
