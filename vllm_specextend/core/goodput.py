@@ -276,24 +276,40 @@ def choose_draft_lengths(
             features[NUM_LINEAR_FEATURES - 1 + min(forwards, cost.max_draft_steps)] = 1.0
         fixed[index] = float(cost.predict(features))
 
-    def seconds_of(lengths: np.ndarray, fixed_seconds: np.ndarray | float) -> np.ndarray:
-        """``[..., rows]`` lengths: the step's predicted seconds, per leading index."""
-        seconds = fixed_seconds + per_token * lengths.sum(axis=-1)
-        if resumes:
-            seconds = seconds + np.array([resume[row > 0].sum() for row in
-                                          lengths.reshape(-1, rows)]).reshape(seconds.shape)
-        if uniform_possible:
-            seconds = seconds - np.where((lengths == uniform_draft_length).all(axis=-1),
-                                         cost.piecewise_cost, 0.0)
-        return seconds
+    def resume_sums(drafts: np.ndarray) -> np.ndarray:
+        """``[..., rows]`` bool: each plan's resumption seconds, summed over
+        the rows that draft (numpy's sum of just those: exactly as one plan
+        at a time)."""
+        flat = drafts.reshape(-1, rows)
+        return np.array([resume[row].sum() for row in flat]).reshape(drafts.shape[:-1])
+
+    # Expected accepted drafts of a row drafting L: the sum of its first L
+    # survival probabilities, left to right (as numpy sums a few positions).
+    accepted_table = None
+    if max_k < 8:
+        accepted_table = np.zeros((max_k + 1, rows))
+        for position in range(max_k):
+            accepted_table[position + 1] = accepted_table[position] + survival[:, position]
+    every_row = np.arange(rows)
 
     def goodput(lengths: np.ndarray, fixed_seconds, weights=1.0) -> np.ndarray:
         """Expected tokens per second of ``[..., rows]`` lengths (accepted
         drafts divided by ``weights``)."""
-        seconds = seconds_of(lengths, fixed_seconds)
-        accepted = (survival * (positions < lengths[..., None])).sum(axis=-1)
+        seconds = fixed_seconds + per_token * lengths.sum(axis=-1)
+        if resumes:
+            seconds = seconds + resume_sums(lengths > 0)
+        if uniform_possible:
+            seconds = seconds - np.where((lengths == uniform_draft_length).all(axis=-1),
+                                         cost.piecewise_cost, 0.0)
+        if accepted_table is not None:
+            accepted = accepted_table[lengths, every_row]
+        else:
+            accepted = (survival * (positions < lengths[..., None])).sum(axis=-1)
         gained = rows + (accepted / weights).sum(axis=-1)
-        return np.where(seconds > 0, gained / np.where(seconds > 0, seconds, 1.0), 0.0)
+        positive = seconds > 0
+        if positive.all():
+            return gained / seconds
+        return np.where(positive, gained / np.where(positive, seconds, 1.0), 0.0)
 
     positions = np.arange(max_k)
     steps_array = np.array(candidates)
@@ -306,21 +322,46 @@ def choose_draft_lengths(
     lengths = np.zeros((len(candidates), rows), dtype=np.int64)
     weighted = survival / scale[:, None]
     active = np.arange(len(candidates))
+    # Positions on the middle axis: sums over them add whole rows, in the
+    # order numpy sums a few contiguous ones (left to right). From 8
+    # positions on, numpy sums contiguous ones pairwise: positions last then.
+    axis = 1 if max_k < 8 else 2
+    if axis == 1:
+        weighted, in_reach = weighted.T[None], in_reach[:, :, None]
+    else:
+        weighted, in_reach = weighted[None], in_reach[:, None, :]
+    reach = in_reach
     for _ in range(4):  # converges in a few rounds
         current = objective[active]
-        margins = weighted[None] - (current * per_token)[:, None, None]
-        kept = np.cumprod((margins > 0) & in_reach[active][:, None, :], axis=2)
-        worth = (margins * kept).sum(axis=2) > current[:, None] * resume[None, :]
-        chosen = np.where(worth, kept.sum(axis=2), 0)
+        margins = weighted - (current * per_token)[:, None, None]
+        kept = (margins > 0) & reach
+        if axis == 1:
+            # Each position only after all before it; the kept positions'
+            # margins summed left to right (a short loop over the positions
+            # beats numpy's accumulate and reduce over a middle axis).
+            worth = margins[:, 0] * kept[:, 0]
+            chosen = kept[:, 0].astype(np.int64)
+            for position in range(1, max_k):
+                kept[:, position] &= kept[:, position - 1]
+                worth += margins[:, position] * kept[:, position]
+                chosen += kept[:, position]
+        else:
+            kept = np.logical_and.accumulate(kept, axis=axis)
+            worth = (margins * kept).sum(axis=axis)
+            chosen = kept.sum(axis=axis)
+        worth = worth > (current[:, None] * resume) if resumes else worth > 0.0
+        chosen *= worth
         if must is not None:
-            chosen = np.where(must, np.maximum(chosen, 1), chosen)
+            np.maximum(chosen, must, out=chosen)
         lengths[active] = chosen
         new = goodput(chosen, fixed[active], scale)
         converged = np.abs(new - current) <= 1e-9 * np.maximum(new, 1.0)
         objective[active] = np.where(converged, current, new)
-        active = active[~converged]
-        if not active.size:
-            break
+        if converged.any():
+            if converged.all():
+                break
+            active = active[~converged]
+            reach = in_reach[active]
     best = None
     longest = lengths.max(axis=1, initial=0)
     for index, steps in enumerate(candidates):
