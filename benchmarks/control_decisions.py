@@ -10,7 +10,8 @@ prompt deferral), whether the draft's forward runs, the catch-up starts, and
 at the end the metrics and the cost model's weights are recorded.
 
     python -m benchmarks.control_decisions --out /tmp/new.pkl   # this checkout
-    git worktree add /tmp/old <commit> && (cd /tmp/old && python -m benchmarks.control_decisions --out /tmp/old.pkl)
+    git worktree add /tmp/old <commit>   # then, in /tmp/old:
+    python -m benchmarks.control_decisions --out /tmp/old.pkl
     python -m benchmarks.control_decisions --compare /tmp/old.pkl /tmp/new.pkl
 
 Only ``SpeculationControl``'s constructor, ``plan``, ``catch_up_starts``,

@@ -851,7 +851,8 @@ class GoodputController:
         seen = self.cost.draft_steps_seen()
         plan = choose_draft_lengths(
             np.where(prompting[:, None], fresh[None, :], survival), drafting & ~prompting,
-            self.cost, num_requests, free_pause=self.free_pause, hysteresis=self.parameters.hysteresis,
+            self.cost, num_requests, free_pause=self.free_pause,
+            hysteresis=self.parameters.hysteresis,
             resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
             draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())

@@ -7,10 +7,10 @@ forward when the drafter can catch up: a draft model from token ids, an EAGLE
 head also from the target's hidden states kept for it
 (``paused_hidden_states.py``). The tokens verified meanwhile have no draft
 KV; each request's frontier says from where, and the next forward prepends
-them to the request's query (``catch_up_starts``: the query
-:meth:`SpeculationControl.catch_up`, then :meth:`SpeculationControl.commit_catch_up`), up to the drafter's token
-budget and, for a head, the positions kept (older ones stay holes: the draft
-reads stale KV there, the target's output does not change).
+them to the request's query (``catch_up_starts``: the query ``catch_up``,
+then ``commit_catch_up``), up to the drafter's token budget and, for a head,
+the positions kept (older ones stay holes: the draft reads stale KV there,
+the target's output does not change).
 
 A request catches up all of its gap only when it drafts on its acceptance
 estimates. A probe catches up the recent tokens its budget buys (the plan's
@@ -30,10 +30,9 @@ from it, so its draft never reads them as its own.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
-
-from dataclasses import dataclass
 
 from vllm_specextend.core.goodput import DraftPlan, GoodputController, StepOutcome
 
@@ -175,9 +174,7 @@ class SpeculationControl:
         its frontier turn stale."""
         if not left:
             return
-        requests = self.controller.requests
-        slots = np.array([requests.slots([r])[0] for r in left if r in requests],
-                         dtype=np.int64)
+        slots = self.controller.slots(left)
         for slot in slots[self._lagging[slots] & ~self._synced[slots]].tolist():
             self._stale_blocks.update(
                 self._lag_table[slot, self._lag_start[slot]:self._lag_end[slot]].tolist())
