@@ -263,9 +263,9 @@ def measure(args) -> dict:
 
 
 GOODPUT_FUNCTIONS = {
-    "control": ("_advance_frontiers", "_keep_lagging_blocks"),
-    "controller": ("finish", "_observe_cost", "_observe_acceptance", "_probe_budgets",
-                   "_resume_seconds", "_explore", "_limit_catch_up"),
+    "control": ("_forget", "_advance_frontiers", "_keep_lagging_blocks"),
+    "controller": ("admit", "finish", "_observe_cost", "_observe_acceptance", "_probe_budgets",
+                   "_resume_seconds", "_explore", "_limit_catch_up", "_note_plan"),
 }
 
 

@@ -79,15 +79,58 @@ def control_counts(worker) -> dict | None:
             if isinstance(value, (int, list))}
 
 
+class PausedController:
+    """Stands in for goodput control's controller: every request pauses, and
+    the controller neither plans nor learns (the floor of a speculative
+    engine that never drafts); its requests and counts are the wrapped one's."""
+
+    def __init__(self, controller) -> None:
+        self.wrapped = controller
+
+    def plan(self, req_ids, *args, **kwargs):
+        import numpy as np
+
+        from vllm_specextend.core.goodput import DraftPlan
+
+        nothing = np.zeros(len(req_ids), dtype=np.int64)
+        return DraftPlan(nothing, 0, 0.0, nothing)
+
+    def observe(self, outcome) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
 def force_pause(worker, forced: bool) -> None:
     """Goodput control pauses every request without planning or learning
     (``always_paused``: the engine's floor), or plans again."""
-    _retrieval(worker.model_runner).control.forced_pause = forced
+    control = _retrieval(worker.model_runner).control
+    paused = isinstance(control.controller, PausedController)
+    if forced and not paused:
+        control.controller = PausedController(control.controller)
+    elif paused and not forced:
+        control.controller = control.controller.wrapped
 
 
 def start_control_trace(worker) -> None:
-    """Goodput control records every plan from now on."""
-    _retrieval(worker.model_runner).control.trace = []
+    """Goodput control records every plan from now on: the requests, their
+    context, their drafts, whether the draft's forward ran, and the clock."""
+    control = _retrieval(worker.model_runner).control
+    trace: list[dict] = []
+    control.__dict__.pop("plan", None)  # a trace started before: replaced
+    stock_plan = control.plan
+
+    def plan(req_ids, context_lens, *args, **kwargs):
+        now = control.clock()
+        draft_plan, runs = stock_plan(req_ids, context_lens, *args, **kwargs)
+        trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
+                      "draft_lengths": draft_plan.draft_lengths.tolist(),
+                      "draft_forward": runs, "seconds": now})
+        return draft_plan, runs
+
+    control.plan = plan
+    control.trace = trace
 
 
 def read_control_trace(worker) -> list[dict]:

@@ -6,8 +6,10 @@ import torch
 
 from vllm_specextend.core.goodput import (
     AcceptanceEstimates,
+    ControlParameters,
     GoodputController,
     StepCostModel,
+    StepOutcome,
     choose_draft_lengths,
     step_features,
 )
@@ -159,7 +161,7 @@ class SimulatedEngine:
                                     catch_up_gaps=gaps,
                                     whole_catch_up=np.array([r in self.whole for r in req_ids]))
         self.draft_forwards = plan.draft_steps  # a step with no drafts skips the forward
-        self.controller.record_forwards(plan.draft_steps)
+        self.controller.observe(StepOutcome(draft_forwards=plan.draft_steps))
         limits = plan.catch_up_limits
         self.caught_up = 0
         for row, (r, drafts) in enumerate(zip(req_ids, plan.draft_lengths)):
@@ -177,14 +179,14 @@ class SimulatedEngine:
             self.gap[r] += 1 + accepted
             self.query[r] = 1 + int(drafts)
         if self.caught_up:
-            self.controller.record_catch_up(self.caught_up)
+            self.controller.observe(StepOutcome(catch_up_tokens=self.caught_up))
         self.history.append(dict(zip(req_ids, plan.draft_lengths.tolist())))
         return plan
 
 
 def test_a_request_whose_drafts_are_never_accepted_pauses_and_resumes_after_probing():
     controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
-                                   probe_interval=8)
+                                   parameters=ControlParameters(probe_interval=8))
     engine = SimulatedEngine(controller, {"good": 1.0, "bad": 0.0})
     for _ in range(40):
         engine.step()
@@ -208,7 +210,7 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
     # draft; a cost per draft forward, fitted on those probes, would price
     # two drafts at 0.38 s and never resume.
     controller = GoodputController(max_requests=2, num_speculative_tokens=2, free_pause=True,
-                                   probe_interval=8)
+                                   parameters=ControlParameters(probe_interval=8))
     engine = SimulatedEngine(controller, {"r": 0.0}, step_seconds={0: 0.121, 1: 0.25, 2: 0.2})
     for _ in range(60):
         engine.step()
@@ -224,7 +226,8 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
 def test_requests_arriving_after_failed_probes_start_with_their_back_off():
     # No exploration steps: probes alone decide when a paused request drafts.
     controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
-                                   probe_interval=8, explore_interval=10_000)
+                                   parameters=ControlParameters(probe_interval=8,
+                                                                explore_interval=10_000))
     engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0})
     # (The first probe waits for its budget: a caught-up token is priced as
     # a verified one until a catch-up is timed.)
@@ -263,7 +266,8 @@ def test_probes_and_their_catch_up_cost_at_most_the_probe_budget():
 
     def run(probe_budget, steps=600):
         controller = GoodputController(max_requests=4, num_speculative_tokens=K,
-                                       free_pause=True, probe_budget=probe_budget)
+                                       free_pause=True,
+                                       parameters=ControlParameters(probe_budget=probe_budget))
         engine = SimulatedEngine(controller, {r: 0.0 for r in "abcd"}, catch_up=0.0045)
         forced = []  # tokens caught up by each step that drafts
         for step in range(100 + steps):
@@ -355,7 +359,7 @@ def test_one_slow_step_does_not_price_a_number_of_draft_steps_out():
     def step(draft_forwards, seconds):
         # The step verifies the drafts of the forwards before it.
         nonlocal now, context
-        controller.record_forwards(draft_forwards)
+        controller.observe(StepOutcome(draft_forwards=draft_forwards))
         now += seconds
         context += 1
         controller.plan(["r"], context * one, (1 + draft_forwards) * one, one, now)
@@ -473,13 +477,13 @@ def test_a_step_of_a_kind_not_seen_lately_is_learnt_from_not_dropped_as_a_stall(
     now = 0.0
     for step in range(100):
         controller.plan(req_ids, 1000 + step * ones, ones, ones, now)
-        controller.record_forwards(0)
+        controller.observe(StepOutcome(draft_forwards=0))
         now += 0.09
-    controller.record_forwards(3)
+    controller.observe(StepOutcome(draft_forwards=3))
     controller.plan(req_ids, 1100 * ones, ones, ones, now + 1.0)
     assert controller.cost.predict(step_features(8, 3, K)) > 0.5
     # A stall of a kind of step it knows is still dropped.
-    controller.record_forwards(0)
+    controller.observe(StepOutcome(draft_forwards=0))
     before = controller.cost.weights.copy()
     controller.plan(req_ids, 1101 * ones, ones, ones, now + 3.0)
     assert np.array_equal(controller.cost.weights, before)
@@ -503,7 +507,7 @@ def test_a_prompt_skips_the_draft_only_where_a_new_request_would_not_draft(draft
                            engine.now + 0.1)
     assert plan.draft_prefill is drafts_prompt
     # Alone (the others finished): the same.
-    controller.record_forwards(plan.draft_steps)
+    controller.observe(StepOutcome(draft_forwards=plan.draft_steps))
     controller.finish(list(rows))
     plan = controller.plan(["new"], np.array([256]), np.array([256]), np.array([1000]),
                            engine.now + 1.0)
@@ -528,7 +532,7 @@ def test_prompts_nobody_would_draft_for_reach_the_draft_within_the_prompt_budget
         context = np.array([engine.context[r] for r in engine.acceptance] + [0])
         query = np.array([engine.query[r] for r in engine.acceptance] + [64])
         plan = controller.plan(req_ids, context, query, np.array([1] * 4 + [64]), engine.now)
-        controller.record_forwards(0)
+        controller.observe(StepOutcome(draft_forwards=0))
         controller.finish([new])
         through.append(plan.draft_prefill)
     # A 64-token prompt costs 0.32 s of draft; 2% of 2,000 paused steps of

@@ -29,6 +29,7 @@ import pytest
 
 from tests.core.test_goodput import K, SimulatedEngine
 from vllm_specextend.core.goodput import (
+    ControlParameters,
     GoodputController,
     StepCostModel,
     choose_draft_lengths,
@@ -153,7 +154,8 @@ class GraphEngine(SimulatedEngine):
 @pytest.mark.parametrize("piecewise, bad_drafts", [(0.0, 0), (0.08, K)])
 def test_the_controller_learns_what_leaving_the_graphs_costs(piecewise, bad_drafts):
     controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
-                                   probe_interval=8, full_graph_query_len=1 + K)
+                                   parameters=ControlParameters(probe_interval=8),
+                                   full_graph_query_len=1 + K)
     engine = GraphEngine(controller, {"good": 1.0, "bad": 0.0}, piecewise)
     for _ in range(200):
         engine.step()

@@ -141,12 +141,12 @@ def test_a_prefix_hit_on_blocks_without_draft_kv_catches_up_from_the_first():
     # four "b" shares and wrote in its catch-up. "c" hits five of them.
     script.step({"b": (101, 1 + K, 100, deferred[:4] + [30, 31, 32])})
     script.step({"c": (80, 20, 100, deferred[:5] + [40, 41])})
-    assert script.control._frontier["c"] == 64
+    assert script.control.frontiers(["c"])[0] == 64
     # Written again (here by "c"'s catch-up), a block is right again.
     script.step({"c": (100, 1, 100, deferred[:5] + [40, 41])}, {"c": K})
     script.step({"c": (101, 1 + K, 100, deferred[:5] + [40, 41])})
     script.step({"e": (80, 20, 100, deferred[:5] + [50, 51])})
-    assert script.control._frontier["e"] == 80
+    assert script.control.frontiers(["e"])[0] == 80
 
 
 def test_a_catch_up_cut_by_the_token_budget_leaves_its_older_blocks_stale():
@@ -157,4 +157,4 @@ def test_a_catch_up_cut_by_the_token_budget_leaves_its_older_blocks_stale():
     assert script.step({"a": (100, 1, 100, blocks)}, {"a": K}, budget=40) == {"a": 60}
     script.step({"a": (101, 1 + K, 100, blocks)})
     script.step({"b": (64, 36, 100, blocks[:4] + [20, 21, 22])})
-    assert script.control._frontier["b"] == 0
+    assert script.control.frontiers(["b"])[0] == 0

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from vllm_specextend.core.counters import DeviceHistogram
+from vllm_specextend.core.request_slots import RequestSlots
 
 PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
@@ -155,8 +156,9 @@ class AcceptanceEstimates:
     earlier position was". New requests start from the engine-wide estimate."""
 
     def __init__(self, max_requests: int, num_positions: int, smoothing: float = 0.2,
-                 prior: float = 0.7) -> None:
+                 prior: float = 0.7, probe_smoothing: float = PROBE_SMOOTHING) -> None:
         self.smoothing = smoothing
+        self.probe_smoothing = probe_smoothing
         self.engine_rates = np.full(num_positions, prior)
         self.rates = np.full((max_requests, num_positions), prior)
 
@@ -168,14 +170,14 @@ class AcceptanceEstimates:
         """Verification outcomes: row ``r`` (slot ``slots[r]``) had
         ``drafted[r]`` drafts, the first ``accepted[r]`` accepted. Position
         ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``.
-        A probe (``probed[r]``) weighs ``PROBE_SMOOTHING``: after a pause the
+        A probe (``probed[r]``) weighs ``probe_smoothing``: after a pause the
         request's estimate is stale."""
         positions = np.arange(self.rates.shape[1])
         tried = (positions[None, :] <= accepted[:, None]) & (positions[None, :] < drafted[:, None])
         hit = (positions[None, :] < accepted[:, None]).astype(np.float64)
         beta = self.smoothing
         if probed is not None:
-            beta = np.where(probed, max(PROBE_SMOOTHING, beta), beta)[:, None]
+            beta = np.where(probed, max(self.probe_smoothing, beta), beta)[:, None]
         rates = self.rates[slots]
         self.rates[slots] = np.where(tried, (1 - beta) * rates + beta * hit, rates)
         tried_any = tried.any(axis=0)
@@ -247,76 +249,185 @@ def choose_draft_lengths(
             request that keep the step in them (K); any other plan pays the
             model's ``piecewise_step`` cost, and every row drafting K is
             weighed too. None: no FULL graphs (CPU, eager, PIECEWISE only).
+
+    Every number of draft steps ``D`` is solved at once (one array axis per
+    ``D``); each keeps its own Dinkelbach iterate and stops when it
+    converges, as a loop over ``D`` would.
     """
     rows, max_k = survival.shape
-    per_token = cost.weights[1]  # verified_tokens
-    base_tokens = num_requests + other_tokens
-    must = np.zeros(rows, dtype=bool) if must_draft is None else must_draft
-    resume = np.zeros(rows) if resume_seconds is None else resume_seconds
-    scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
+    must = None if must_draft is None or not must_draft.any() else must_draft
     graphs = uniform_draft_length is not None and cost.piecewise_step
-    # Only a batch of decode rows can be a FULL graph's.
-    uniform_possible = graphs and other_tokens == 0 and rows == num_requests
-    piecewise_cost = cost.piecewise_cost
+    candidates = [steps for steps in range(max_k + 1)
+                  if not ((must is not None and steps == 0)
+                          or (draft_steps is not None and not draft_steps[steps]))]
+    scale = np.where(drafting, 1.0 - hysteresis, 1.0 + hysteresis)
+
+    def prices(positions: int, steps: list[int]) -> _PlanPrices:
+        return _PlanPrices(survival[:, :positions], cost, resume_seconds, steps,
+                           num_requests + other_tokens, free_pause, graphs,
+                           # Only a batch of decode rows can be a FULL graph's.
+                           uniform_draft_length if (graphs and other_tokens == 0
+                                                    and rows == num_requests) else None)
+
+    if max_k < 8:
+        price = prices(max_k, candidates)
+        lengths, objective = _dinkelbach(price, scale, must)
+        price_of = [(price, index) for index in range(len(candidates))]
+    else:
+        # numpy sums 8 or more contiguous numbers pairwise: each D on its
+        # own positions then, so that its sums are a loop's over D.
+        price_of = [(prices(steps, [steps]), 0) for steps in candidates]
+        solved = [_dinkelbach(price, scale, must) for price, _ in price_of]
+        lengths = np.concatenate([lengths for lengths, _ in solved])
+        objective = np.concatenate([objective for _, objective in solved])
     best = None
-    for steps in range(max_k + 1):
-        if (must.any() and steps == 0) or (draft_steps is not None and not draft_steps[steps]):
-            continue
-        forwards = steps if (steps or free_pause) else 1
-        fixed = float(cost.predict(cost.features(base_tokens, forwards, piecewise=graphs)))
-        usable = survival[:, :steps]
-
-        def goodput(lengths: np.ndarray, weights: np.ndarray | float = 1.0) -> float:
-            """Expected tokens per second (accepted drafts divided by ``weights``)."""
-            seconds = fixed + per_token * lengths.sum() + resume[lengths > 0].sum()
-            if uniform_possible and (lengths == uniform_draft_length).all():
-                seconds -= piecewise_cost  # the step stays in the FULL graphs
-            gained = rows + (_expected_accepted(usable, lengths) / weights).sum()
-            return gained / seconds if seconds > 0 else 0.0
-
-        if uniform_possible and steps == uniform_draft_length and rows:
+    longest = lengths.max(axis=1, initial=0)
+    for index, steps in enumerate(candidates):
+        price, price_index = price_of[index]
+        fixed = price.fixed[price_index]
+        if price.uniform_length == steps and rows:
             # Every row drafting K keeps the step in the FULL graphs: worth it
             # when the PIECEWISE step costs more than the extra drafts.
             uniform = np.full(rows, steps, dtype=np.int64)
-            objective = goodput(uniform, scale)
-            if best is None or objective > best[0]:
-                best = (objective, DraftPlan(uniform, steps, goodput(uniform)))
-        # Dinkelbach on the hysteresis-weighted goodput (a drafting row's
-        # tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a position
-        # is kept when it is worth more than its verification time, a row
-        # drafts when its kept positions are worth more than its resumption.
-        objective = rows / fixed if fixed > 0 else 0.0
-        lengths = np.zeros(rows, dtype=np.int64)
-        for _ in range(4):  # converges in a few rounds
-            margins = usable / scale[:, None] - objective * per_token
-            kept = np.cumprod(margins > 0, axis=1)
-            worth = (margins * kept).sum(axis=1) > objective * resume
-            lengths = np.where(worth, kept.sum(axis=1), 0)
-            lengths = np.where(must, np.maximum(lengths, 1), lengths)
-            new = goodput(lengths, scale)
-            if abs(new - objective) <= 1e-9 * max(new, 1.0):
-                break
-            objective = new
-        if steps and lengths.max(initial=0) < steps:
+            value = float(price.goodput(uniform, fixed, scale))
+            if best is None or value > best[0]:
+                best = (value, uniform, steps, fixed, price)
+        chosen, value = lengths[index], float(objective[index])
+        if steps and longest[index] < steps:
             # D draft steps are only what they cost if a row drafts D: the
             # row likeliest to accept its D-th draft (at batch 1 the step's
             # cost per D, not the per-token cost, decides).
-            row = int(np.argmax(usable[:, steps - 1]))
-            if usable[row, steps - 1] <= 0:
+            row = int(np.argmax(survival[:, steps - 1]))
+            if survival[row, steps - 1] <= 0:
                 continue
-            lengths = lengths.copy()
-            lengths[row] = steps
-            objective = goodput(lengths, scale)
-        if best is None or objective > best[0]:
-            best = (objective, DraftPlan(lengths, steps, goodput(lengths)))
+            chosen = chosen.copy()
+            chosen[row] = steps
+            value = float(price.goodput(chosen, fixed, scale))
+        if best is None or value > best[0]:
+            best = (value, chosen, steps, fixed, price)
     assert best is not None
-    return best[1]
+    _, chosen, steps, fixed, price = best
+    return DraftPlan(chosen, steps, float(price.goodput(chosen, fixed)))
 
 
-def _expected_accepted(survival: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``[rows]``: expected accepted drafts of each row."""
-    positions = np.arange(survival.shape[1])
-    return (survival * (positions[None, :] < lengths[:, None])).sum(axis=1)
+class _PlanPrices:
+    """Expected goodput of candidate plans (one row of draft lengths per
+    number of draft steps ``D``), computed as one plan at a time would be,
+    to the last bit: the choice is the same whatever the batching."""
+
+    def __init__(self, survival: np.ndarray, cost: StepCostModel,
+                 resume_seconds: np.ndarray | None, candidates: list[int], base_tokens: int,
+                 free_pause: bool, graphs: bool, uniform_length: int | None) -> None:
+        rows, max_k = survival.shape
+        self.survival, self.rows, self.max_k = survival, rows, max_k
+        self.per_token = cost.weights[1]  # verified_tokens
+        self.piecewise_cost = cost.piecewise_cost
+        self.uniform_length = uniform_length
+        """The drafts per row that keep a step in the FULL graphs (None: none can)."""
+        self.resume = np.zeros(rows) if resume_seconds is None else resume_seconds
+        # (A zero resumption adds exactly nothing: its sums are skipped.)
+        self.resumes = resume_seconds is not None and bool(resume_seconds.any())
+        paused = cost.features(base_tokens, 0, piecewise=graphs)
+        self.fixed = np.empty(len(candidates))
+        """Per candidate ``D``: the step's seconds before its tokens."""
+        for index, steps in enumerate(candidates):
+            forwards = steps if (steps or free_pause) else 1
+            features = paused.copy()
+            if forwards:
+                features[NUM_LINEAR_FEATURES - 1 + min(forwards, cost.max_draft_steps)] = 1.0
+            self.fixed[index] = float(cost.predict(features))
+        self.candidates = np.array(candidates)
+        # Expected accepted drafts of a row drafting L: the sum of its first
+        # L survival probabilities, left to right (as numpy sums a few).
+        self.accepted_table = None
+        if max_k < 8:
+            self.accepted_table = np.zeros((max_k + 1, rows))
+            for position in range(max_k):
+                self.accepted_table[position + 1] = (self.accepted_table[position]
+                                                     + survival[:, position])
+        self.every_row = np.arange(rows)
+
+    def goodput(self, lengths: np.ndarray, fixed, weights=1.0) -> np.ndarray:
+        """Expected tokens per second of ``[..., rows]`` lengths with
+        ``fixed`` seconds each (accepted drafts divided by ``weights``)."""
+        seconds = fixed + self.per_token * lengths.sum(axis=-1)
+        if self.resumes:
+            # Summed over the rows that draft alone, as numpy sums one plan's.
+            drafts = (lengths > 0).reshape(-1, self.rows)
+            seconds = seconds + np.array([self.resume[row].sum() for row in drafts]).reshape(
+                lengths.shape[:-1])
+        if self.uniform_length is not None:
+            seconds = seconds - np.where((lengths == self.uniform_length).all(axis=-1),
+                                         self.piecewise_cost, 0.0)
+        if self.accepted_table is not None:
+            accepted = self.accepted_table[lengths, self.every_row]
+        else:
+            positions = np.arange(self.max_k)
+            accepted = (self.survival * (positions < lengths[..., None])).sum(axis=-1)
+        gained = self.rows + (accepted / weights).sum(axis=-1)
+        positive = seconds > 0
+        if positive.all():
+            return gained / seconds
+        return np.where(positive, gained / np.where(positive, seconds, 1.0), 0.0)
+
+
+def _dinkelbach(price: _PlanPrices, scale: np.ndarray,
+                must: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``[D, rows]`` lengths and ``[D]`` objectives: Dinkelbach on the
+    hysteresis-weighted goodput for every candidate ``D`` at once (a
+    drafting row's tokens count 1 / (1 - h), a paused row's 1 / (1 + h)): a
+    position is kept when it is worth more than its verification time, a
+    row drafts when its kept positions are worth more than its resumption.
+    Each ``D`` stops when its iterate converges, as a loop over ``D`` would."""
+    fixed, max_k, per_token, resume = price.fixed, price.max_k, price.per_token, price.resume
+    objective = np.where(fixed > 0, price.rows / np.where(fixed > 0, fixed, 1.0), 0.0)
+    lengths = np.zeros((len(fixed), price.rows), dtype=np.int64)
+    in_reach = np.arange(max_k)[None, :] < price.candidates[:, None]  # [D, K]
+    weighted = price.survival / scale[:, None]
+    # Positions on the middle axis: sums over them add whole rows, in the
+    # order numpy sums a few contiguous ones (left to right). From 8
+    # positions on, numpy sums contiguous ones pairwise: positions last then.
+    axis = 1 if max_k < 8 else 2
+    if axis == 1:
+        weighted, in_reach = weighted.T[None], in_reach[:, :, None]
+    else:
+        weighted, in_reach = weighted[None], in_reach[:, None, :]
+    active = np.arange(len(fixed))
+    reach = in_reach
+    for _ in range(4):  # converges in a few rounds
+        current = objective[active]
+        margins = weighted - (current * per_token)[:, None, None]
+        kept = (margins > 0) & reach
+        if not max_k:
+            worth, chosen = np.zeros(kept.shape[::2]), np.zeros(kept.shape[::2], dtype=np.int64)
+        elif axis == 1:
+            # Each position only after all before it; the kept positions'
+            # margins summed left to right (a short loop over the positions
+            # beats numpy's accumulate and reduce over a middle axis).
+            worth = margins[:, 0] * kept[:, 0]
+            chosen = kept[:, 0].astype(np.int64)
+            for position in range(1, max_k):
+                kept[:, position] &= kept[:, position - 1]
+                worth += margins[:, position] * kept[:, position]
+                chosen += kept[:, position]
+        else:
+            kept = np.logical_and.accumulate(kept, axis=axis)
+            worth = (margins * kept).sum(axis=axis)
+            chosen = kept.sum(axis=axis)
+        worth = worth > (current[:, None] * resume) if price.resumes else worth > 0.0
+        chosen *= worth
+        if must is not None:
+            np.maximum(chosen, must, out=chosen)
+        lengths[active] = chosen
+        new = price.goodput(chosen, fixed[active], scale)
+        converged = np.abs(new - current) <= 1e-9 * np.maximum(new, 1.0)
+        objective[active] = np.where(converged, current, new)
+        if converged.any():
+            if converged.all():
+                break
+            active = active[~converged]
+            reach = in_reach[active]
+    return lengths, objective
 
 
 WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
@@ -324,44 +435,65 @@ PROBE_INTERVAL = 16
 """Paused plans before a paused request's first probe."""
 MAX_PROBE_BACKOFF = 8
 """A failing request is probed at most every 8 x ``probe_interval`` plans."""
-PROBE_BUDGET = 0.02
-"""Share of a paused request's time (its share of the steps it paused in)
-that its next probe may cost: so probes and explorations cost at most about
-2% of the engine's time, whatever a catch-up costs on this machine."""
-MIN_PROBE_CATCH_UP = 8
-"""Recent tokens a probe catches up at least (a probe waits until its budget
-covers them)."""
 UNLIMITED = np.iinfo(np.int64).max
-STALL_FACTOR = 4.0
-"""A step of a known kind this many times its prediction is a stall (an idle
-engine), not a cost: the cost model skips it."""
-SLOW_STEP_CLIP = 1.5
-"""A slower step of a known kind is learnt as this many times its prediction
-(winsorised: the model still follows a lasting change, a few percent a step)."""
 
 
-@dataclass
-class _RequestState:
-    slot: int
-    context_len: int = -1
-    """Context length at the previous step (-1: not seen yet)."""
-    verified_drafts: int = 0
-    """Drafts the previous step verified (its query minus the last token);
-    the next step's context tells how many were accepted."""
-    drafted: int = -1
-    """Drafts planned at the previous step (-1: none planned)."""
-    probed: bool = False
-    """The previous plan's drafts were a probe."""
-    verified_probe: bool = False
-    """The drafts the previous step verified were a probe."""
-    paused_steps: int = 0
-    """Consecutive plans with no draft."""
-    probe_after: int = 0
-    """Paused plans before the next probe (doubles after each probe)."""
-    drafted_steps: int = 0
-    """Decode steps this request drafted in (its metrics)."""
-    paused_decode_steps: int = 0
-    """Decode steps it did not draft in."""
+@dataclass(frozen=True)
+class ControlParameters:
+    """The goodput controller's tuning (the defaults are the engine's)."""
+
+    probe_interval: int = PROBE_INTERVAL
+    """Paused plans before a paused request's first probe."""
+    max_probe_backoff: int = MAX_PROBE_BACKOFF
+    """A request whose probes keep failing is probed at most every
+    ``max_probe_backoff`` x ``probe_interval`` plans (each probe doubles its
+    wait)."""
+    probe_budget: float = 0.02
+    """Share of a paused request's time (its share of the steps it paused
+    in) that its next probe may cost: so probes and explorations cost at most
+    about 2% of the engine's time, whatever a catch-up costs on this
+    machine. Prompts nobody would draft for get the same share of the steps
+    nobody drafts in."""
+    min_probe_catch_up: int = 8
+    """Recent tokens a probe catches up at least (a probe waits until its
+    budget covers them)."""
+    explore_interval: int = 64
+    """Plans between two explorations (plans that depart from the choice so
+    the cost model keeps seeing every number of draft steps)."""
+    hysteresis: float = 0.1
+    """A drafting row keeps a position down to ``1 - hysteresis`` of the
+    threshold, a paused row resumes above ``1 + hysteresis``."""
+    stall_factor: float = 4.0
+    """A step of a known kind this many times its prediction is a stall (an
+    idle engine), not a cost: the cost model skips it."""
+    slow_step_clip: float = 1.5
+    """A slower step of a known kind is learnt as this many times its
+    prediction (winsorised: the model still follows a lasting change, a few
+    percent a step)."""
+    acceptance_smoothing: float = 0.2
+    """EWMA weight of a drafting request's latest verification."""
+    probe_smoothing: float = PROBE_SMOOTHING
+    """EWMA weight of a probe's outcome: after a pause the estimate is stale."""
+    acceptance_prior: float = 0.7
+    """Acceptance of every position before the engine has verified any."""
+    cost_forgetting: float = 0.98
+    """Weight of the step-cost model's past per observed step."""
+    cost_ridge: float = 1e-6
+    """The step-cost model's ridge term (relative to its data)."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the engine did with the last plan, beyond the lengths the next
+    plan's batch shows (None: not reported)."""
+
+    draft_forwards: int | None = None
+    """Draft forwards the step ran (0: skipped; one first pass when rows
+    prefill or the drafter cannot skip)."""
+    catch_up_tokens: int = 0
+    """Tokens its first pass caught up (verified while the draft paused)."""
+    deferred_prefill_tokens: int = 0
+    """Prompt tokens it did not run through the draft."""
 
 
 @dataclass
@@ -383,17 +515,39 @@ class ControlStats:
     """Tokens the draft caught up after forwards that skipped or left them."""
     chosen_lengths: np.ndarray | None = None
     """Histogram of the drafts chosen per request-step (index: K_r)."""
-    request_paused_fraction: DeviceHistogram = field(
+    finished_paused_fractions: list[float] = field(default_factory=list)
+    """Per finished request not yet folded into ``request_paused_fraction``."""
+    _paused_fraction: DeviceHistogram = field(
         default_factory=lambda: DeviceHistogram(PAUSED_FRACTION_BUCKETS, torch.device("cpu")))
-    """Per finished request: paused / decode steps."""
+
+    @property
+    def request_paused_fraction(self) -> DeviceHistogram:
+        """Per finished request: paused / decode steps (folded on a metrics
+        pull, not per step)."""
+        self.fold()
+        return self._paused_fraction
+
+    def fold(self) -> None:
+        for fraction in self.finished_paused_fractions:
+            self._paused_fraction.observe(torch.tensor(fraction), torch.tensor(True))
+        self.finished_paused_fractions.clear()
+
+
+FOLD_AT = 4096
+"""Finished requests kept unfolded at most (memory stays bounded without a
+metrics pull)."""
 
 
 class GoodputController:
     """Per step, the draft lengths of the next verification for every request
     of the batch, from the measured step costs and acceptance so far.
 
-    Call :meth:`plan` once per engine step, at the drafter's call, with the
-    host-side lengths of the batch, and :meth:`finish` when requests leave.
+    Per step: :meth:`plan` once, at the drafter's call, with the host-side
+    lengths of the batch (it first learns from the step those lengths
+    show), and :meth:`observe` with what the engine did with the plan (any
+    time before the next plan; several calls add up). :meth:`finish` when
+    requests leave. Per-request state is held in arrays by slot
+    (:class:`RequestSlots`).
     """
 
     def __init__(
@@ -401,10 +555,7 @@ class GoodputController:
         max_requests: int,
         num_speculative_tokens: int,
         free_pause: bool,
-        probe_interval: int = PROBE_INTERVAL,
-        explore_interval: int = 64,
-        hysteresis: float = 0.1,
-        probe_budget: float = PROBE_BUDGET,
+        parameters: ControlParameters = ControlParameters(),
         full_graph_query_len: int | None = None,
     ) -> None:
         """``full_graph_query_len``: the query length of every request in a
@@ -413,20 +564,41 @@ class GoodputController:
         self.num_speculative_tokens = num_speculative_tokens
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
-        self.probe_interval = probe_interval
-        self.explore_interval = explore_interval
-        self.hysteresis = hysteresis
-        self.probe_budget = probe_budget
-        self.cost = StepCostModel(num_speculative_tokens,
+        self.parameters = parameters
+        p = parameters
+        self.cost = StepCostModel(num_speculative_tokens, forgetting=p.cost_forgetting,
+                                  ridge=p.cost_ridge,
                                   piecewise_step=full_graph_query_len is not None)
-        self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens)
+        self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens,
+                                              smoothing=p.acceptance_smoothing,
+                                              prior=p.acceptance_prior,
+                                              probe_smoothing=p.probe_smoothing)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
-        self._requests: dict[str, _RequestState] = {}
+        self.requests = RequestSlots(max_requests)
+        # Per slot, between steps:
+        self._context_len = np.full(max_requests, -1, dtype=np.int64)
+        """Context length at the previous step (-1: not seen yet)."""
+        self._verified_drafts = np.zeros(max_requests, dtype=np.int64)
+        """Drafts the previous step verified (its query minus the last token);
+        the next step's context tells how many were accepted."""
+        self._drafted = np.full(max_requests, -1, dtype=np.int64)
+        """Drafts planned at the previous step (-1: none planned)."""
+        self._probed = np.zeros(max_requests, dtype=bool)
+        """The previous plan's drafts were a probe."""
+        self._verified_probe = np.zeros(max_requests, dtype=bool)
+        """The drafts the previous step verified were a probe."""
+        self._paused_steps = np.zeros(max_requests, dtype=np.int64)
+        """Consecutive plans with no draft."""
+        self._probe_after = np.zeros(max_requests, dtype=np.int64)
+        """Paused plans before the next probe (doubles after each probe)."""
+        self._drafted_steps = np.zeros(max_requests, dtype=np.int64)
+        """Decode steps each request drafted in (its metrics)."""
+        self._paused_decode_steps = np.zeros(max_requests, dtype=np.int64)
+        """Decode steps it did not draft in."""
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would
         otherwise each pay the probes that already failed for others)."""
-        self._free_slots = list(range(max_requests - 1, -1, -1))
         self._last_time: float | None = None
         self._last_prefilling = True
         self._last_draft_forwards = 0
@@ -441,6 +613,34 @@ class GoodputController:
         all arrive paused still learns when drafting pays again."""
 
     # ---- per step --------------------------------------------------------
+
+    def admit(self, req_ids: list[str]) -> np.ndarray:
+        """Each request's slot; a new request starts from the engine's
+        acceptance estimates and the latest probe back-off."""
+        slots, new_rows = self.requests.assign(req_ids)
+        if new_rows:
+            new = slots[new_rows]
+            self._context_len[new] = -1
+            self._verified_drafts[new] = 0
+            self._drafted[new] = -1
+            self._probed[new] = False
+            self._verified_probe[new] = False
+            self._paused_steps[new] = 0
+            self._probe_after[new] = self._arrival_probe_after
+            self._drafted_steps[new] = 0
+            self._paused_decode_steps[new] = 0
+            self.acceptance.rates[new] = self.acceptance.engine_rates
+        return slots
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """What the engine did with the last plan (its cost is learnt at the
+        next plan, from the clock)."""
+        if outcome.draft_forwards is not None:
+            self._last_draft_forwards = outcome.draft_forwards
+            self.stats.skipped_draft_forwards += outcome.draft_forwards == 0
+        self._last_catch_up_tokens += outcome.catch_up_tokens
+        self.stats.catch_up_tokens += outcome.catch_up_tokens
+        self.stats.deferred_prefill_tokens += outcome.deferred_prefill_tokens
 
     def plan(
         self,
@@ -459,39 +659,44 @@ class GoodputController:
         up all of their gap, as one whose prompt the draft lacks: with holes
         there a probe would not measure the draft), observing the step just
         verified first."""
-        states = [self._state(req_id) for req_id in req_ids]
+        p = self.parameters
+        slots = self.admit(req_ids)
         num_requests = len(req_ids)
         seq_lens = context_lens + query_lens
-        prefilling = bool((context_lens < prompt_lens).any())
+        prompting = context_lens < prompt_lens
+        prefilling = bool(prompting.any())
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
             self._observe_cost(int(query_lens.sum()), now, self._piecewise(query_lens))
         self._last_time, self._last_prefilling = now, prefilling
-        self._observe_acceptance(states, context_lens, query_lens, prompt_lens)
-        slots = np.array([s.slot for s in states], dtype=np.int64)
+        self._last_catch_up_tokens = 0
+        self._observe_acceptance(slots, context_lens, query_lens, ~prompting)
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         decoding = seq_lens >= prompt_lens
-        drafting = np.array([s.drafted > 0 for s in states], dtype=bool)
-        other_tokens = int(np.where(decoding, 0, query_lens).sum())
+        drafting = self._drafted[slots] > 0
+        other_tokens = int(query_lens[~decoding].sum())
         paused_step = max(float(self.cost.predict(self.cost.features(
             num_requests + other_tokens, 0, piecewise=True))), 0.0)
-        budgets = self._probe_budgets(states, num_requests, paused_step)
-        least = np.full(num_requests, MIN_PROBE_CATCH_UP, dtype=np.int64)
+        paused_steps = self._paused_steps[slots]
+        budgets = self._probe_budgets(paused_steps, num_requests, paused_step)
+        least = np.full(num_requests, p.min_probe_catch_up, dtype=np.int64)
         if whole_catch_up is not None and catch_up_gaps is not None:
             least = np.where(whole_catch_up, np.maximum(catch_up_gaps, least), least)
             if not self._catch_up_timed:
                 # Its price unknown, a whole gap is not risked on a probe.
                 budgets = np.where(whole_catch_up, 0.0, budgets)
-        probing = decoding & self._affordable(budgets, 1, num_requests, least) & np.array(
-            [s.paused_steps >= (s.probe_after or self.probe_interval) for s in states],
-            dtype=bool,
-        )
-        survival = np.where(decoding[:, None], self.acceptance.survival(slots), 0.0)
-        resume = self._resume_seconds(states, catch_up_gaps, probing)
+        probe_after = self._probe_after[slots]
+        due = paused_steps >= np.where(probe_after != 0, probe_after, p.probe_interval)
+        probing = decoding & due
+        if probing.any():
+            probing &= self._affordable(budgets, 1, num_requests, least)
+        survival = self.acceptance.survival(slots)
+        survival[~decoding] = 0.0
+        resume = self._resume_seconds(slots, catch_up_gaps, probing)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
-            free_pause=self.free_pause, hysteresis=self.hysteresis, must_draft=probing,
+            free_pause=self.free_pause, hysteresis=p.hysteresis, must_draft=probing,
             resume_seconds=resume,
             uniform_draft_length=(None if self.full_graph_query_len is None
                                   else self.full_graph_query_len - 1),
@@ -499,91 +704,76 @@ class GoodputController:
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests, least)
         if plan.draft_steps == 0:
-            self._prompt_budget += self.probe_budget * paused_step
+            self._prompt_budget += p.probe_budget * paused_step
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
-                    survival, drafting, resume, context_lens < prompt_lens, query_lens,
-                    num_requests))
+                    survival, drafting, resume, prompting, query_lens, num_requests))
         plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests,
                                     least)
-        for state, length, probe, decodes, merit in zip(states, plan.draft_lengths, probing,
-                                                         decoding, chosen):
-            state.drafted = int(length)
-            # Drafts not chosen on estimates (probes, warm-up, exploration)
-            # weigh as probes: they may follow a pause.
-            state.probed = bool(length) and (bool(probe) or not merit)
-            state.paused_steps = 0 if length else state.paused_steps + 1
-            if decodes:
-                state.drafted_steps += bool(length)
-                state.paused_decode_steps += not length
-            if probe and length:
-                # A request whose probes keep failing is probed less often,
-                # and so are the requests that arrive after it.
-                self.stats.probes += 1
-                state.probe_after = min(2 * (state.probe_after or self.probe_interval),
-                                        MAX_PROBE_BACKOFF * self.probe_interval)
-                self._arrival_probe_after = state.probe_after
-            elif merit:
-                # Drafting on its estimates (not warm-up or exploration).
-                state.probe_after = 0
-                self._arrival_probe_after = 0
-        decoding_lengths = plan.draft_lengths[decoding]
-        self.stats.chosen_lengths += np.bincount(
-            decoding_lengths, minlength=self.num_speculative_tokens + 1
-        )
-        self.stats.drafted_request_steps += int((decoding_lengths > 0).sum())
-        self.stats.paused_request_steps += int((decoding_lengths == 0).sum())
+        self._note_plan(slots, plan.draft_lengths, probing, decoding, chosen, paused_steps,
+                        probe_after)
         self._plans += 1
         return plan
 
-    def record_forwards(self, draft_forwards: int) -> None:
-        """The draft forwards this step ran after the plan (0: skipped; one
-        first pass when rows prefill or the drafter cannot skip)."""
-        self._last_draft_forwards = draft_forwards
-        self._last_catch_up_tokens = 0
-        self.stats.skipped_draft_forwards += draft_forwards == 0
-
-    def record_deferred_prefill(self, tokens: int) -> None:
-        """Prompt tokens this step did not run through the draft."""
-        self.stats.deferred_prefill_tokens += tokens
-
-    def record_catch_up(self, tokens: int) -> None:
-        """The tokens this step's first pass caught up (after the plan)."""
-        self._last_catch_up_tokens = tokens
-        self.stats.catch_up_tokens += tokens
+    def _note_plan(self, slots, lengths, probing, decoding, chosen, paused_steps,
+                   probe_after) -> None:
+        """Each request's state after this plan, and the engine's counts."""
+        p = self.parameters
+        drafts = lengths > 0
+        self._drafted[slots] = lengths
+        # Drafts not chosen on estimates (probes, warm-up, exploration)
+        # weigh as probes: they may follow a pause.
+        self._probed[slots] = drafts & (probing | (chosen == 0))
+        self._paused_steps[slots] = np.where(drafts, 0, paused_steps + 1)
+        self._drafted_steps[slots] += decoding & drafts
+        self._paused_decode_steps[slots] += decoding & ~drafts
+        # A request whose probes keep failing is probed less often, and so
+        # are the requests that arrive after it; one drafting on its
+        # estimates (not warm-up or exploration) is probed at the interval.
+        probed = probing & drafts
+        merit = ~probed & (chosen != 0)
+        backed_off = np.minimum(2 * np.where(probe_after != 0, probe_after, p.probe_interval),
+                                p.max_probe_backoff * p.probe_interval)
+        self._probe_after[slots] = np.where(probed, backed_off,
+                                            np.where(merit, 0, probe_after))
+        changed = np.flatnonzero(probed | merit)
+        if changed.size:
+            last = changed[-1]
+            self._arrival_probe_after = int(backed_off[last]) if probed[last] else 0
+        self.stats.probes += int(probed.sum())
+        decoding_lengths = lengths[decoding]
+        self.stats.chosen_lengths += np.bincount(
+            decoding_lengths, minlength=self.num_speculative_tokens + 1
+        )
+        drafted = int(np.count_nonzero(decoding_lengths))
+        self.stats.drafted_request_steps += drafted
+        self.stats.paused_request_steps += decoding_lengths.size - drafted
 
     def finish(self, req_ids) -> None:
         """Forget requests that left the batch (finished or aborted)."""
-        for req_id in req_ids:
-            state = self._requests.pop(req_id, None)
-            if state is not None:
-                self._free_slots.append(state.slot)
-                decode_steps = state.drafted_steps + state.paused_decode_steps
-                if decode_steps:
-                    self.stats.request_paused_fraction.observe(
-                        torch.tensor(state.paused_decode_steps / decode_steps),
-                        torch.tensor(True))
+        freed = self.requests.release(req_ids)
+        if not freed:
+            return
+        freed = np.array(freed, dtype=np.int64)
+        paused = self._paused_decode_steps[freed]
+        decode_steps = self._drafted_steps[freed] + paused
+        stats = self.stats
+        stats.finished_paused_fractions += [
+            int(q) / int(d) for q, d in zip(paused.tolist(), decode_steps.tolist()) if d]
+        if len(stats.finished_paused_fractions) > FOLD_AT:
+            stats.fold()
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """The slots of requests planned and not finished."""
-        return np.array([self._requests[r].slot for r in req_ids], dtype=np.int64)
+        return self.requests.slots(req_ids)
 
     def request_figures(self) -> dict[str, dict[str, int]]:
         """Per live request: decode steps drafted and paused."""
-        return {req_id: {"drafted_steps": state.drafted_steps,
-                         "paused_steps": state.paused_decode_steps}
-                for req_id, state in self._requests.items()}
+        return {req_id: {"drafted_steps": int(self._drafted_steps[slot]),
+                         "paused_steps": int(self._paused_decode_steps[slot])}
+                for req_id, slot in self.requests.items()}
 
     # ---- internals -------------------------------------------------------
-
-    def _state(self, req_id: str) -> _RequestState:
-        state = self._requests.get(req_id)
-        if state is None:
-            state = _RequestState(slot=self._free_slots.pop(),
-                                  probe_after=self._arrival_probe_after)
-            self.acceptance.start(state.slot)
-            self._requests[req_id] = state
-        return state
 
     def _piecewise(self, query_lens: np.ndarray) -> bool:
         """Whether a decode step of ``query_lens`` left the FULL CUDA graphs."""
@@ -602,45 +792,39 @@ class GoodputController:
             # draft steps, shows a cost the model has yet to learn.)
             predicted = float(self.cost.predict(features))
             if predicted > 0:
-                if seconds > STALL_FACTOR * predicted:
+                if seconds > self.parameters.stall_factor * predicted:
                     return  # an idle engine or a stall, not a step's cost
                 # One slow step (a request's first retrieval, the host's
                 # hiccup) moves the model as far as a 1.5x one: otherwise
                 # it can price a number of draft steps out for a whole run.
-                seconds = min(seconds, SLOW_STEP_CLIP * predicted)
+                seconds = min(seconds, self.parameters.slow_step_clip * predicted)
         self.cost.observe(features, seconds)
         self._catch_up_timed |= self._last_catch_up_tokens > 0
 
-    def _observe_acceptance(self, states, context_lens, query_lens, prompt_lens) -> None:
+    def _observe_acceptance(self, slots, context_lens, query_lens, decoding) -> None:
         """The previous step verified ``verified_drafts`` drafts of each
         request; the context gained since is the accepted ones + 1."""
-        rows = [
-            r for r, s in enumerate(states)
-            if s.verified_drafts > 0 and s.context_len >= 0 and context_lens[r] > s.context_len
-        ]
-        if rows:
-            rows_array = np.array(rows)
-            slots = np.array([states[r].slot for r in rows])
-            drafted = np.array([states[r].verified_drafts for r in rows])
-            progress = context_lens[rows_array] - np.array([states[r].context_len
-                                                            for r in rows])
-            accepted = np.clip(progress - 1, 0, drafted)
-            probed = np.array([states[r].verified_probe for r in rows])
-            self.acceptance.observe(slots, drafted, accepted, probed)
-        decoding = context_lens >= prompt_lens
-        for state, context_len, query_len, decodes in zip(states, context_lens, query_lens,
-                                                          decoding):
-            state.context_len = int(context_len)
-            state.verified_drafts = int(query_len) - 1 if decodes else 0
-            state.verified_probe = state.probed
+        last_context = self._context_len[slots]
+        drafted = self._verified_drafts[slots]
+        verified = (drafted > 0) & (last_context >= 0) & (context_lens > last_context)
+        if verified.any():
+            rows = np.flatnonzero(verified)
+            drafted = drafted[rows]
+            accepted = np.clip(context_lens[rows] - last_context[rows] - 1, 0, drafted)
+            self.acceptance.observe(slots[rows], drafted, accepted,
+                                    self._verified_probe[slots[rows]])
+        self._context_len[slots] = context_lens
+        self._verified_drafts[slots] = np.where(decoding, query_lens - 1, 0)
+        self._verified_probe[slots] = self._probed[slots]
 
-    def _probe_budgets(self, states, num_requests: int, paused_step: float) -> np.ndarray:
+    def _probe_budgets(self, paused_steps: np.ndarray, num_requests: int,
+                       paused_step: float) -> np.ndarray:
         """``[rows]``: seconds each request's next forced drafts (a probe, an
         exploration) may cost: ``probe_budget`` of its share of the steps it
         paused in since it last drafted (``paused_step``: this batch's
         predicted step without drafts)."""
-        paused_steps = np.array([s.paused_steps for s in states], dtype=np.float64)
-        return self.probe_budget * paused_step / num_requests * paused_steps
+        return (self.parameters.probe_budget * paused_step / num_requests
+                * paused_steps.astype(np.float64))
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:
@@ -667,12 +851,13 @@ class GoodputController:
         seen = self.cost.draft_steps_seen()
         plan = choose_draft_lengths(
             np.where(prompting[:, None], fresh[None, :], survival), drafting & ~prompting,
-            self.cost, num_requests, free_pause=self.free_pause, hysteresis=self.hysteresis,
+            self.cost, num_requests, free_pause=self.free_pause,
+            hysteresis=self.parameters.hysteresis,
             resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
             draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())
 
-    def _resume_seconds(self, states, gaps: np.ndarray | None,
+    def _resume_seconds(self, slots: np.ndarray, gaps: np.ndarray | None,
                         probing: np.ndarray) -> np.ndarray | None:
         """``[rows]``: what drafting on its estimates adds to a row's step:
         catching up its gap, once, spread over as many steps as the request
@@ -680,8 +865,8 @@ class GoodputController:
         as long again). A probe's catch-up is its budget's."""
         if gaps is None:
             return None
-        decoded = np.array([s.drafted_steps + s.paused_decode_steps for s in states])
-        horizon = np.maximum(decoded, self.probe_interval)
+        decoded = self._drafted_steps[slots] + self._paused_decode_steps[slots]
+        horizon = np.maximum(decoded, self.parameters.probe_interval)
         return np.where(probing, 0.0, gaps * self._catch_up_seconds() / horizon)
 
     def _forced_draft_seconds(self, draft_lengths: np.ndarray | int,
@@ -705,7 +890,7 @@ class GoodputController:
     def _forced_catch_up_seconds(self) -> float:
         """Seconds per token a forced draft's catch-up is priced at: none
         until a catch-up was timed, since the engine's first forced drafts
-        catch up only ``MIN_PROBE_CATCH_UP`` tokens, which times the price.
+        catch up only ``min_probe_catch_up`` tokens, which times the price.
         (A verified token's price overstates it where the steps cannot tell
         the base from a token: at batch 1, half of a paused step. A whole
         gap is not forced before: ``plan``'s ``whole_catch_up``.)"""
@@ -752,7 +937,7 @@ class GoodputController:
         kind = WARM_UP_PLANS.get(self._plans)
         if kind is None:
             self._since_exploration += 1
-            if self._since_exploration < self.explore_interval:
+            if self._since_exploration < self.parameters.explore_interval:
                 return plan
             pause = plan.draft_steps > 0 and self.stats.explorations % 2 == 0
             kind = "pause" if pause else "draft"

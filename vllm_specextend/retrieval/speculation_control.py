@@ -7,9 +7,10 @@ forward when the drafter can catch up: a draft model from token ids, an EAGLE
 head also from the target's hidden states kept for it
 (``paused_hidden_states.py``). The tokens verified meanwhile have no draft
 KV; each request's frontier says from where, and the next forward prepends
-them to the request's query (``catch_up_starts``), up to the drafter's token
-budget and, for a head, the positions kept (older ones stay holes: the draft
-reads stale KV there, the target's output does not change).
+them to the request's query (``catch_up_starts``: the query ``catch_up``,
+then ``commit_catch_up``), up to the drafter's token budget and, for a head,
+the positions kept (older ones stay holes: the draft reads stale KV there,
+the target's output does not change).
 
 A request catches up all of its gap only when it drafts on its acceptance
 estimates. A probe catches up the recent tokens its budget buys (the plan's
@@ -29,15 +30,34 @@ from it, so its draft never reads them as its own.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specextend.core.goodput import DraftPlan, GoodputController
+from vllm_specextend.core.goodput import DraftPlan, GoodputController, StepOutcome
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What this step's first pass catches up (:meth:`SpeculationControl.catch_up`)."""
+
+    starts: np.ndarray | None
+    """Per row, the first position the forward processes (None: nothing is
+    caught up)."""
+    behind: np.ndarray
+    """``[rows]`` bool: rows the plan's limits leave behind their frontier."""
+    slots: np.ndarray
+    """The rows' request slots."""
+    holes: np.ndarray
+    """Blocks left stale: older tokens of synced rows cut by the budget."""
+    tokens: int
+    """Tokens caught up."""
 
 
 class SpeculationControl:
     """Per engine step: how many drafts each request gets, and whether the
-    draft's forward runs."""
+    draft's forward runs. Per-request state is held in arrays by the
+    controller's request slots."""
 
     def __init__(
         self,
@@ -73,28 +93,31 @@ class SpeculationControl:
                                             full_graph_query_len=full_graph_query_len)
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
-        self._catch_up_limits: dict[str, int] | None = None
-        self.trace: list[dict[str, object]] | None = None
-        """Set to a list to record every plan and the clock at it (benchmarks:
-        K and step seconds over time)."""
-        self.forced_pause = False
-        """Benchmarks: every request pauses and the controller neither plans
-        nor learns (the floor of a speculative engine that never drafts)."""
-        self._frontier: dict[str, int] = {}
-        self._synced: set[str] = set()
-        self._deferred: set[str] = set()
+        self._limits: tuple[list[str], np.ndarray] | None = None
+        """The last plan's requests and catch-up limits (None: no limits)."""
+        # Per slot:
+        self._frontier = np.full(max_requests, -1, dtype=np.int64)
+        """Draft KV frontier: every position before it is right (-1: new)."""
+        self._synced = np.zeros(max_requests, dtype=bool)
+        """Whether the last forward wrote the request's verified tokens."""
+        self._deferred = np.zeros(max_requests, dtype=bool)
         """Requests whose draft prefill was deferred, until caught up (a probe
         catches up all of their gap: with holes in the prompt it would not
         measure the draft)."""
+        self._lagging = np.zeros(max_requests, dtype=bool)
+        """Requests left behind their frontier by the last step: their
+        blocks from the frontier's on (``_lag_table[slot, _lag_start:_lag_end]``)
+        turn stale when they leave behind; a prefix hit on them meanwhile is
+        stale too."""
+        self._lag_table = np.zeros((max_requests, 0), dtype=np.int64)
+        self._lag_start = np.zeros(max_requests, dtype=np.int64)
+        self._lag_end = np.zeros(max_requests, dtype=np.int64)
         self._blocks: tuple[np.ndarray, int] | None = None
         """This step's host block table rows and block size (None: not kept)."""
         self._stale_blocks: set[int] = set()
         """KV blocks whose draft KV lacks tokens the target wrote, left so by
         requests that finished behind their frontier or caught up with holes:
         a request that finds one in the prefix cache catches up from it."""
-        self._lagging_blocks: dict[str, np.ndarray] = {}
-        """Per live request: its blocks from its frontier's on (stale when it
-        leaves behind; a prefix hit on them meanwhile is stale too)."""
         self._holes: list[int] = []
         """Blocks this step's catch-up leaves holes in (stale from the next plan)."""
 
@@ -111,139 +134,175 @@ class SpeculationControl:
         (``block_table``: the rows' KV block ids on the host, to keep prefix
         cache hits on blocks without the draft's KV right; None: not kept)."""
         self._blocks = None if block_table is None else (block_table, block_size)
-        left = set(self._frontier) - set(req_ids)
-        self.controller.finish(left)
-        for req_id in left:
-            lagging = self._lagging_blocks.pop(req_id, None)
-            if lagging is not None and req_id not in self._synced:
-                self._stale_blocks.update(lagging.tolist())
-            del self._frontier[req_id]
-            self._deferred.discard(req_id)
+        self._forget(self.controller.requests.departed(req_ids))
+        slots = self.controller.admit(req_ids)
         now = self.clock()
-        self._advance_frontiers(req_ids, context_lens)
+        self._advance_frontiers(slots, context_lens)
         prefilling_rows = context_lens < prompt_lens
-        starts = self._frontiers(req_ids)
+        starts = self._frontier[slots]
         gaps = self._capped(np.maximum(context_lens - starts, 0))
-        if self.forced_pause:
-            nothing = np.zeros(len(req_ids), dtype=np.int64)
-            plan = DraftPlan(nothing, 0, 0.0, nothing)
-        else:
-            deferred = np.array([r in self._deferred for r in req_ids], dtype=bool)
-            plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
-                                        catch_up_gaps=gaps, whole_catch_up=deferred)
+        plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
+                                    catch_up_gaps=gaps, whole_catch_up=self._deferred[slots])
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
-        self._catch_up_limits = (None if plan.catch_up_limits is None
-                                 else dict(zip(req_ids, plan.catch_up_limits.tolist())))
+        self._limits = (None if plan.catch_up_limits is None
+                        else (list(req_ids), plan.catch_up_limits))
         prefilling = bool(prefilling_rows.any())
         runs = not (self.free_pause and plan.draft_steps == 0 and not (
             prefilling and (plan.draft_prefill or not self.defer_prompts)))
-        if not self.forced_pause:
-            self.controller.record_forwards(max(plan.draft_steps, 1) if runs else 0)
+        deferred_tokens = 0
         if prefilling and not runs:
             # A caught-up request would not draft now: its prompt waits.
-            self._deferred.update(r for r, p in zip(req_ids, prefilling_rows) if p)
-            if not self.forced_pause:
-                self.controller.record_deferred_prefill(
-                    int(np.where(prefilling_rows, query_lens, 0).sum()))
-        self._synced = set(req_ids) if runs else set()
+            self._deferred[slots[prefilling_rows]] = True
+            deferred_tokens = int(query_lens[prefilling_rows].sum())
+        self.controller.observe(StepOutcome(
+            draft_forwards=max(plan.draft_steps, 1) if runs else 0,
+            deferred_prefill_tokens=deferred_tokens))
+        self._synced[:] = False
+        if runs:
+            self._synced[slots] = True
         if self._blocks is not None:
             seq_lens = context_lens + query_lens
             behind = starts < seq_lens
             if runs:
                 limits = plan.catch_up_limits
                 behind &= False if limits is None else limits < gaps
-            self._keep_lagging_blocks(req_ids, seq_lens, behind)
-        if self.trace is not None:
-            self.trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
-                               "draft_lengths": plan.draft_lengths.tolist(),
-                               "draft_forward": runs, "seconds": now})
+            self._keep_lagging_blocks(slots, seq_lens, behind)
         return plan, runs
 
-    def _advance_frontiers(self, req_ids: list[str], context_lens: np.ndarray) -> None:
+    def _forget(self, left: list[str]) -> None:
+        """Requests that left the batch: the blocks of one that left behind
+        its frontier turn stale."""
+        if not left:
+            return
+        slots = self.controller.slots(left)
+        for slot in slots[self._lagging[slots] & ~self._synced[slots]].tolist():
+            self._stale_blocks.update(
+                self._lag_table[slot, self._lag_start[slot]:self._lag_end[slot]].tolist())
+        self.controller.finish(left)
+        self._frontier[slots] = -1
+        self._synced[slots] = self._deferred[slots] = self._lagging[slots] = False
+
+    def _advance_frontiers(self, slots: np.ndarray, context_lens: np.ndarray) -> None:
         """Each request's draft KV frontier after the last step; blocks the
         last forward filled leave the stale set, its holes join it."""
-        blocks = self._blocks
-        for row, (req_id, context_len) in enumerate(zip(req_ids, context_lens.tolist())):
-            frontier = self._frontier.get(req_id)
-            if req_id in self._synced:
-                # The last forward wrote the verified tokens (and, for a draft
-                # model, the token at ``context_len``).
-                synced = context_len + self.synced_lead
-                if self._stale_blocks and blocks is not None and frontier is not None:
-                    table, size = blocks
-                    self._stale_blocks.difference_update(
-                        table[row, frontier // size:synced // size].tolist())
-                self._frontier[req_id] = synced
-                self._deferred.discard(req_id)
-            elif frontier is None:
-                # New: its draft KV is right up to its computed tokens, or up
-                # to the first stale block its prefix cache hit holds.
-                self._frontier[req_id] = self._first_stale(row, context_len)
-            elif context_len + self.synced_lead < frontier:
-                # Preempted and recomputed from an earlier point.
-                self._frontier[req_id] = context_len
+        frontier = self._frontier[slots]
+        synced = self._synced[slots]
+        synced_to = context_lens + self.synced_lead
+        new = ~synced & (frontier < 0)
+        if self._stale_blocks and self._blocks is not None:
+            # The last forward wrote the verified tokens (and, for a draft
+            # model, the token at ``context_len``): in row order, as a new
+            # request's first stale block is looked up among them.
+            table, size = self._blocks
+            filled = synced & (frontier >= 0)
+            start = 0
+            for row in [*np.flatnonzero(new).tolist(), len(slots)]:
+                rows = slice(start, row)
+                self._stale_blocks.difference_update(_block_ranges(
+                    table[rows], frontier[rows] // size, synced_to[rows] // size,
+                    filled[rows]).tolist())
+                if row < len(slots):
+                    frontier[row] = self._first_stale(row, int(context_lens[row]))
+                start = row
+        elif new.any():
+            for row in np.flatnonzero(new).tolist():
+                frontier[row] = self._first_stale(row, int(context_lens[row]))
+        # Preempted and recomputed from an earlier point.
+        recomputed = ~synced & ~new & (synced_to < frontier)
+        frontier = np.where(synced, synced_to, np.where(recomputed, context_lens, frontier))
+        self._frontier[slots] = frontier
+        self._deferred[slots[synced]] = False
         self._stale_blocks.update(self._holes)
         self._holes = []
 
     def _first_stale(self, row: int, context_len: int) -> int:
-        """``context_len``, or the start of the first block before it whose
-        draft KV is stale (left so, or lagging in a live request)."""
+        """New: its draft KV is right up to ``context_len``, or up to the
+        start of the first block before it whose draft KV is stale (left so,
+        or lagging in a live request) that its prefix cache hit holds."""
         if self._blocks is None or not context_len:
             return context_len
-        if not (self._stale_blocks or self._lagging_blocks):
+        lagging = np.flatnonzero(self._lagging)
+        if not (self._stale_blocks or lagging.size):
             return context_len
         table, size = self._blocks
         stale = np.fromiter(self._stale_blocks, dtype=np.int64)
-        lagging = np.concatenate([stale, *self._lagging_blocks.values()])
-        hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)], lagging))
+        live = _block_ranges(self._lag_table[lagging], self._lag_start[lagging],
+                             self._lag_end[lagging])
+        hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)],
+                                      np.concatenate([stale, live])))
         return int(hits[0]) * size if hits.size else context_len
 
-    def _keep_lagging_blocks(self, req_ids: list[str], seq_lens: np.ndarray,
+    def _keep_lagging_blocks(self, slots: np.ndarray, seq_lens: np.ndarray,
                              behind: np.ndarray) -> None:
         """Per request left ``behind`` its frontier by this step: its blocks
         from the frontier's on (the others' are written by this step)."""
         table, size = self._blocks
-        lagging = {}
-        for row in np.flatnonzero(behind).tolist():
-            req_id = req_ids[row]
-            lagging[req_id] = table[row, self._frontier[req_id] // size:
-                                    -(-int(seq_lens[row]) // size)].copy()
-        self._lagging_blocks = lagging
+        self._lagging[:] = False
+        if not behind.any():
+            return
+        if self._lag_table.shape[1] != table.shape[1]:
+            self._lag_table = np.zeros((len(self._lagging), table.shape[1]), dtype=np.int64)
+        lagging = slots[behind]
+        self._lagging[lagging] = True
+        self._lag_table[lagging] = table[behind]
+        self._lag_start[lagging] = self._frontier[lagging] // size
+        self._lag_end[lagging] = -(-seq_lens[behind] // size)
 
-    def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
-                        budget: int) -> np.ndarray | None:
-        """Per row, the first position the forward must process, or None when
-        nothing is caught up: from its draft KV frontier, or its most recent
-        tokens within the plan's limit (the row then stays behind its
-        frontier) and, for all rows together, ``budget`` tokens (beyond it,
-        and beyond a head's kept positions, holes stay holes)."""
-        full_gaps = np.maximum(context_lens - self._frontiers(req_ids), 0)
+    def catch_up(self, req_ids: list[str], context_lens: np.ndarray,
+                 budget: int) -> CatchUp:
+        """What this step's first pass catches up (a query: nothing changes
+        until :meth:`commit_catch_up`). Per row, from its draft KV frontier,
+        or its most recent tokens within the plan's limit (the row then stays
+        behind its frontier) and, for all rows together, ``budget`` tokens
+        (beyond it, and beyond a head's kept positions, holes stay holes)."""
+        slots = self.controller.slots(req_ids)
+        full_gaps = np.maximum(context_lens - self._frontier[slots], 0)
         gaps = self._capped(full_gaps)
-        if self._catch_up_limits is not None:
-            limits = np.array([self._catch_up_limits[r] for r in req_ids], dtype=np.int64)
+        behind = np.zeros(len(req_ids), dtype=bool)
+        if self._limits is not None:
+            plan_ids, limits = self._limits
+            if req_ids != plan_ids:
+                limit_of = dict(zip(plan_ids, limits.tolist()))
+                limits = np.array([limit_of[r] for r in req_ids], dtype=np.int64)
             behind = limits < gaps
-            self._synced.difference_update(r for r, b in zip(req_ids, behind) if b)
             gaps = np.minimum(gaps, limits)
+        nothing = np.zeros(0, dtype=np.int64)
         if not gaps.any():
-            return None
+            return CatchUp(None, behind, slots, nothing, 0)
         total = int(gaps.sum())
         if total > budget:
             gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
+        holes = nothing
         if self._blocks is not None:
             # Synced with older tokens left out: their blocks turn stale.
             table, size = self._blocks
-            for row in np.flatnonzero(gaps < full_gaps).tolist():
-                if req_ids[row] not in self._synced:
-                    continue  # behind: it keeps its frontier
-                first_written = int(context_lens[row] - gaps[row])
-                self._holes += table[row, int(context_lens[row] - full_gaps[row]) // size:
-                                     -(-first_written // size)].tolist()
-        self.controller.record_catch_up(int(gaps.sum()))
-        return context_lens - gaps
+            cut = (gaps < full_gaps) & self._synced[slots] & ~behind
+            if cut.any():
+                holes = _block_ranges(table[:len(req_ids)], (context_lens - full_gaps) // size,
+                                      -(-(context_lens - gaps) // size), cut)
+        return CatchUp(context_lens - gaps, behind, slots, holes, int(gaps.sum()))
 
-    def _frontiers(self, req_ids: list[str]) -> np.ndarray:
+    def commit_catch_up(self, catch_up: CatchUp) -> None:
+        """Rows left behind keep their frontier (not synced); holes turn
+        stale at the next plan; the controller learns the tokens' cost."""
+        self._synced[catch_up.slots[catch_up.behind]] = False
+        if catch_up.starts is None:
+            return
+        self._holes += catch_up.holes.tolist()
+        self.controller.observe(StepOutcome(catch_up_tokens=catch_up.tokens))
+
+    def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
+                        budget: int) -> np.ndarray | None:
+        """:meth:`catch_up` and :meth:`commit_catch_up` in one: per row, the
+        first position the forward must process, or None when nothing is
+        caught up."""
+        catch_up = self.catch_up(req_ids, context_lens, budget)
+        self.commit_catch_up(catch_up)
+        return catch_up.starts
+
+    def frontiers(self, req_ids: list[str]) -> np.ndarray:
         """Per row, its draft KV frontier (every position before it is right)."""
-        return np.array([self._frontier[r] for r in req_ids], dtype=np.int64)
+        return self._frontier[self.controller.slots(req_ids)]
 
     def _capped(self, gaps: np.ndarray) -> np.ndarray:
         """The gaps (verified tokens a row's draft KV lacks) a catch-up can
@@ -268,3 +327,14 @@ class SpeculationControl:
             "request_paused_fraction": stats.request_paused_fraction.as_dict(),
             "requests": self.controller.request_figures(),
         }
+
+
+def _block_ranges(table: np.ndarray, first: np.ndarray, end: np.ndarray,
+                  rows: np.ndarray | None = None) -> np.ndarray:
+    """The block ids ``table[r, first[r]:end[r]]`` of every row (of ``rows``),
+    row by row."""
+    columns = np.arange(table.shape[1])
+    inside = (columns >= first[:, None]) & (columns < end[:, None])
+    if rows is not None:
+        inside &= rows[:, None]
+    return table[inside]
