@@ -65,14 +65,13 @@ def reconfigure_drafter(worker, options: dict) -> None:
     """Swap the SpecExtend drafter's options (``mode: off`` drafts as stock)."""
     from vllm_specextend.core.options import SpecExtendConfig
 
-    _retrieval(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
+    _drafter(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
 
 
 def control_counts(worker) -> dict | None:
     """Goodput control's engine-wide counters (the benchmarks take their
     differences per run)."""
-    retrieval = _retrieval(worker.model_runner)
-    control = getattr(retrieval, "control", None)
+    control = _control(worker.model_runner)
     if control is None:
         return None
     return {key: value for key, value in control.metrics_snapshot().items()
@@ -82,16 +81,16 @@ def control_counts(worker) -> dict | None:
 def force_pause(worker, forced: bool) -> None:
     """Goodput control pauses every request without planning or learning
     (``always_paused``: the engine's floor), or plans again."""
-    _retrieval(worker.model_runner).control.forced_pause = forced
+    _control(worker.model_runner).forced_pause = forced
 
 
 def start_control_trace(worker) -> None:
     """Goodput control records every plan from now on."""
-    _retrieval(worker.model_runner).control.trace = []
+    _control(worker.model_runner).trace = []
 
 
 def read_control_trace(worker) -> list[dict]:
-    return _retrieval(worker.model_runner).control.trace
+    return _control(worker.model_runner).trace
 
 
 def retrieval_refreshes(worker) -> dict[str, int]:
@@ -99,10 +98,19 @@ def retrieval_refreshes(worker) -> dict[str, int]:
     return dict(_retrieval(worker.model_runner).planner.stats.refreshes)
 
 
+def _drafter(runner):
+    """The runner's drafter (V1 ``drafter`` or MRV2 ``speculator``)."""
+    return getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+
+
 def _retrieval(runner):
-    """The drafter's ``DraftRetrieval`` (V1 ``drafter`` or MRV2 ``speculator``)."""
-    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-    return getattr(drafter, "retrieval", None)
+    """The drafter's ``DraftRetrieval``."""
+    return getattr(_drafter(runner), "retrieval", None)
+
+
+def _control(runner):
+    """The drafter's goodput control (its ``SpeculationControl``), if on."""
+    return getattr(getattr(_drafter(runner), "control", None), "speculation", None)
 
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -58,9 +58,9 @@ def worker_metrics(worker: Any) -> dict[str, Any] | None:
 
     runner = getattr(worker, "model_runner", None)
     for name in ("drafter", "speculator"):
-        retrieval = getattr(getattr(runner, name, None), "retrieval", None)
-        if isinstance(retrieval, DraftRetrieval):
-            return retrieval.metrics_snapshot()
+        drafter = getattr(runner, name, None)
+        if isinstance(getattr(drafter, "retrieval", None), DraftRetrieval):
+            return drafter.metrics_snapshot()
     return None
 
 

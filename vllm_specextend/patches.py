@@ -221,11 +221,10 @@ def _keep_planned_drafts(stock: Callable) -> Callable:
 
     def _get_draft_token_ids_cpu(self):
         draft_token_ids, req_ids = stock(self)
-        retrieval = getattr(getattr(self, "drafter", None), "retrieval", None)
-        control = getattr(retrieval, "control", None)
-        if control is None:
+        control = getattr(getattr(self, "drafter", None), "control", None)
+        lengths = None if control is None else control.draft_lengths
+        if lengths is None:
             return draft_token_ids, req_ids
-        lengths = control.draft_lengths
         return [
             ids[: lengths.get(req_id, len(ids))] for ids, req_id in zip(draft_token_ids, req_ids)
         ], req_ids

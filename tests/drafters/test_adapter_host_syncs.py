@@ -72,6 +72,8 @@ class StockProposer:
         self.max_model_len = MAX_MODEL_LEN
         self.kv_cache_gid = 0
         self.block_size = BLOCK_SIZE
+        # vLLM's: a draft model takes its next token in an extra slot, a head does not.
+        self.needs_extra_input_slots = getattr(runner, SETUP_ATTRIBUTE).method == "draft_model"
         self.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.calls = []
 
@@ -178,7 +180,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
     retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                      {DRAFT_LAYER})
     if method != "draft_model":
-        retrieval.keep_paused_hidden_states(HIDDEN, torch.float32)
+        proposer.control.allocate_paused_hidden_states(HIDDEN, torch.float32)
     with set_current_vllm_config(VllmConfig()):
         draft = torch.nn.ModuleDict({"rotary": get_rope(FakeAttention.head_size, MAX_MODEL_LEN)})
     kv_cache_config = types.SimpleNamespace(
@@ -191,7 +193,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
 def script_plans(proposer: Proposer) -> list[int]:
     """Each plan drafts the next step's K for every request (the
     controller's own bookkeeping still runs)."""
-    controller = proposer.retrieval.control.controller
+    controller = proposer.control.speculation.controller
     stock_plan = controller.plan
     plans = [k for k, _ in STEPS]
 
@@ -231,14 +233,14 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
             input_batch.num_prompt_tokens[:len(rows)] = [PROMPTS[r] for r in rows]
             target_forward(proposer, kwargs["common_attn_metadata"].num_actual_tokens)
             proposer.propose(K, **kwargs)
-        proposer.retrieval.metrics_snapshot()
+        proposer.metrics_snapshot()
     check.assert_none()
     # The paused steps skipped the draft's forward; the step after caught up
     # the tokens verified meanwhile, before its rows' queries.
     calls = proposer.calls
     assert [c["rows"] for c in calls] == [3, 4, 4]
     assert calls[1]["tokens"] > sum(q for q, _ in STEPS[3][1].values())
-    control = proposer.retrieval.control
+    control = proposer.control.speculation
     assert control.controller.stats.catch_up_tokens > 0
     assert control.controller.stats.skipped_draft_forwards == 2
     assert proposer.retrieval.planner.stats.retrievals > 0
@@ -247,7 +249,7 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
     expected = ALLOWED if draft_window < MAX_MODEL_LEN else ALLOWED - {
         "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__"}
     assert set(check.allowed) == expected
-    assert (proposer.retrieval.paused_hidden is not None) == (method != "draft_model")
+    assert (proposer.control.paused_hidden is not None) == (method != "draft_model")
 
 
 def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, monkeypatch):

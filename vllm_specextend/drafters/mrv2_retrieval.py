@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
+from vllm_specextend.drafters.features import DrafterFeatures
 from vllm_specextend.retrieval.engine_options import RetrievalSetup, resolve_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
@@ -60,7 +61,7 @@ class Overlay:
         return getattr(self._base, name)
 
 
-class MRV2Retrieval:
+class MRV2Retrieval(DrafterFeatures):
     """Mixin for an MRV2 speculator subclass: put it first."""
 
     def __init__(
@@ -104,9 +105,6 @@ class MRV2Retrieval:
             get_layers_from_vllm_config(self.vllm_config, Attention),
             set(self.draft_attn_layer_names),
         )
-
-    def bytes_per_kv_token_outside_cache(self) -> int:
-        return self.retrieval.bytes_per_kv_token_outside_cache()
 
     @override
     def set_attn(
