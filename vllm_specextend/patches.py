@@ -190,10 +190,10 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
 
 def _patch_model_runner_init(module: ModuleType) -> None:
     def draft_model_proposer(stock: type, setup: RetrievalSetup) -> type:
-        from vllm_specextend.drafters.v1_draft_model import SpecExtendProposer
+        from vllm_specextend.drafters.v1_draft_model import SpecExtendDraftModelProposer
 
         patch_cpu_rejection_sampler()
-        return SpecExtendProposer
+        return SpecExtendDraftModelProposer
 
     def eagle_proposer(stock: type, setup: RetrievalSetup) -> type:
         from vllm_specextend.drafters.v1_eagle import SpecExtendEagleProposer
@@ -236,7 +236,7 @@ def _patch_model_runner_v2_init(module: ModuleType) -> None:
     def speculator_factory(stock: Callable, setup: RetrievalSetup) -> Callable:
         if setup.method == "draft_model":
             from vllm_specextend.drafters.mrv2_draft_model import (
-                SpecExtendARSpeculator as speculator,
+                SpecExtendStandaloneARSpeculator as speculator,
             )
         elif setup.method == "mtp":
             from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator as speculator

@@ -1,6 +1,6 @@
 """No host syncs in the adapters' per-step paths, proven without a GPU.
 
-The V1 proposer's overrides (``drafters/v1_retrieval.py``: planning, goodput
+The V1 proposer's overrides (``drafters/v1_overrides.py``: planning, goodput
 control's pauses and catch-up, the kept hidden states of a head, compact
 positions and the draft's metadata) run over a stand-in for vLLM's
 ``SpecDecodeBaseProposer`` (its ``propose`` makes the calls the stock one
@@ -20,7 +20,7 @@ from tests.core.test_host_syncs import ALLOWED
 from tests.host_sync_check import HostSyncCheck
 from vllm_specextend.core.goodput import DraftPlan
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.drafters.v1_retrieval import V1Retrieval
+from vllm_specextend.drafters.v1_overrides import V1Overrides
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, RetrievalSetup
 
 META = torch.device("meta")
@@ -59,7 +59,7 @@ class FakeAttention:
 
 
 class StockProposer:
-    """What ``V1Retrieval`` needs of vLLM's ``SpecDecodeBaseProposer``: its
+    """What ``V1Overrides`` needs of vLLM's ``SpecDecodeBaseProposer``: its
     sizes, and the calls its ``propose`` makes into our overrides (metadata
     builds for the first pass and a later draft step, the draft's positions,
     the draft layers' KV writes)."""
@@ -101,7 +101,7 @@ class StockProposer:
         return self.positions[:num_tokens]
 
 
-class Proposer(V1Retrieval, StockProposer):
+class Proposer(V1Overrides, StockProposer):
     pass
 
 
@@ -265,7 +265,7 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
 
     from tests.drafters.test_mrv2_draft_model import STREAMING, input_batch
     from tests.retrieval.test_engine_options import capped_draft, engine_config
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,
                            max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
@@ -298,9 +298,9 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
     monkeypatch.setattr(speculator_module, "init_attn_backend",
                         lambda *args, **kwargs: ([], {}, None))
     # Set-up: vLLM's speculator makes its constants on the device.
-    allowed = ALLOWED | {"vllm_specextend.drafters.mrv2_retrieval:MRV2Retrieval.__init__"}
+    allowed = ALLOWED | {"vllm_specextend.drafters.mrv2_overrides:MRV2Overrides.__init__"}
     with HostSyncCheck(allowed) as check:
-        spec = SpecExtendARSpeculator(config, META)
+        spec = SpecExtendStandaloneARSpeculator(config, META)
         spec.draft_attn_layer_names = {DRAFT_LAYER}
         spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                               spec.draft_attn_layer_names)

@@ -1,5 +1,5 @@
 """Model Runner V2 (vLLM's default GPU runner): which runner an engine gets,
-and the MRV2 seam (``SpecExtendARSpeculator``) as far as it runs without
+and the MRV2 seam (``SpecExtendStandaloneARSpeculator``) as far as it runs without
 Triton kernels. MRV2's kernels need CUDA: the engine test skips on CPU."""
 
 import types
@@ -57,7 +57,7 @@ def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
 
 def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
     from vllm_specextend import patches
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     module = types.ModuleType("model_runner_v2")
     module.init_speculator = lambda vllm_config, device, req_states: "stock speculator"
@@ -70,7 +70,7 @@ def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft
     patches._patch_model_runner_v2_init(module)
     cpu = torch.device("cpu")
     ours = GPUModelRunner(engine_config(target_model, draft_model, spec_extend={}), cpu)
-    assert isinstance(ours.speculator, SpecExtendARSpeculator)
+    assert isinstance(ours.speculator, SpecExtendStandaloneARSpeculator)
     stock = GPUModelRunner(engine_config(target_model, draft_model), cpu)
     assert stock.speculator == "stock speculator"
     # vLLM's own MRV2 runner module is wrapped once it is imported.
@@ -108,15 +108,15 @@ DRAFT_LAYER = "draft_model.model.layers.0.self_attn.attn"
 
 @pytest.fixture
 def speculator(target_model, draft_model, monkeypatch):
-    """A ``SpecExtendARSpeculator`` on CPU, attached like MRV2's runner does,
+    """A ``SpecExtendStandaloneARSpeculator`` on CPU, attached like MRV2's runner does,
     with vLLM's attention backends replaced (they need the real layers)."""
     from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
 
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, draft_model, spec_extend=STREAMING,
                            max_num_seqs=4, max_model_len=4096)
-    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec = SpecExtendStandaloneARSpeculator(config, torch.device("cpu"))
     spec.draft_attn_layer_names = {DRAFT_LAYER}  # what MRV2's load_model sets
     spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                           spec.draft_attn_layer_names)
@@ -249,12 +249,12 @@ def test_compact_positions_shift_each_token_by_its_row(target_model, draft_model
     )
 
     from tests.retrieval.test_engine_options import capped_draft
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,
                            max_model_len=4096, max_num_batched_tokens=512,
                            speculative_config=capped_draft(1024)(draft_model))
-    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec = SpecExtendStandaloneARSpeculator(config, torch.device("cpu"))
     spec.draft_attn_layer_names = {DRAFT_LAYER}
     draft_layer = FakeAttention()
     draft_layer.kv_cache = torch.zeros(1)

@@ -17,7 +17,7 @@ ADDITIONAL_CONFIG_KEY = "spec_extend"
 RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
 DraftPositions = Literal["auto", "original", "compact"]
-SpeculationControl = Literal["off", "goodput"]
+SpeculationControlMode = Literal["off", "goodput"]
 RetrievalRefresh = Literal["interval", "acceptance"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
@@ -103,7 +103,7 @@ class SpecExtendConfig:
     their own layout. ``False``: lay out in place, in the shared blocks
     (more KV capacity; a request may draft over another's layout)."""
 
-    speculation_control: SpeculationControl = "off"
+    speculation_control: SpeculationControlMode = "off"
     """``goodput``: per step and per request, draft only as many tokens as are
     expected to pay for their time (accepted tokens per second of the whole
     batch, from step costs measured on this engine and each request's own
@@ -116,7 +116,7 @@ class SpecExtendConfig:
         _check_choice("mode", self.mode, RetrievalMode)
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
-        _check_choice("speculation_control", self.speculation_control, SpeculationControl)
+        _check_choice("speculation_control", self.speculation_control, SpeculationControlMode)
         _check_choice("retrieval_refresh", self.retrieval_refresh, RetrievalRefresh)
         if not isinstance(self.private_layouts, bool):
             raise SpecExtendConfigError(

@@ -1,6 +1,6 @@
 """Retrieval for Model Runner V2's target-dependent speculators (EAGLE heads,
 MTP layers: vLLM's ``TargetDependentARSpeculator``), on top of the shared MRV2
-overrides (``mrv2_retrieval.py``).
+overrides (``mrv2_overrides.py``).
 
 What differs from a draft model is the first pass and CUDA graphs:
 
@@ -29,10 +29,10 @@ from typing_extensions import override
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from vllm_specextend.drafters.mrv2_retrieval import MRV2Retrieval, Overlay
+from vllm_specextend.drafters.mrv2_overrides import MRV2Overrides, Overlay
 
 
-class MRV2TargetDependentRetrieval(MRV2Retrieval):
+class MRV2TargetDependentOverrides(MRV2Overrides):
     """Mixin for a ``TargetDependentARSpeculator`` subclass: put it first."""
 
     _step_inputs: tuple[Any, Any, Any, Any] | None = None

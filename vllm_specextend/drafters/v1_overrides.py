@@ -1,7 +1,7 @@
 """Retrieval in vLLM's V1 model runner: the overrides every V1 drafter shares.
 
 vLLM's V1 drafters derive from ``SpecDecodeBaseProposer``
-(``v1/spec_decode/llm_base_proposer.py``); :class:`V1Retrieval` is mixed in
+(``v1/spec_decode/llm_base_proposer.py``); :class:`V1Overrides` is mixed in
 before the stock class and changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
@@ -38,7 +38,7 @@ from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_se
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
-class V1Retrieval(DrafterFeatures):
+class V1Overrides(DrafterFeatures):
     """Mixin for a ``SpecDecodeBaseProposer`` subclass: put it first."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):

@@ -1,7 +1,7 @@
 """Retrieval in Model Runner V2 (vLLM's default GPU runner): the overrides every
 MRV2 speculator shares, over MRV2's shared buffers.
 
-:class:`MRV2Retrieval` is mixed in before the stock speculator class and
+:class:`MRV2Overrides` is mixed in before the stock speculator class and
 changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
@@ -61,7 +61,7 @@ class Overlay:
         return getattr(self._base, name)
 
 
-class MRV2Retrieval(DrafterFeatures):
+class MRV2Overrides(DrafterFeatures):
     """Mixin for an MRV2 speculator subclass: put it first."""
 
     def __init__(
