@@ -5,13 +5,14 @@ imports the patched module (``post_import.when_imported``), so a front-end
 process never imports the model runner for us. Without ``spec_extend``
 options every wrapper calls straight through.
 
-- ``EngineArgs.create_engine_config``: resolves and validates the engine's
-  ``spec_extend`` options (``retrieval/engine_options.py``) when the engine
-  (``LLM(...)``, ``vllm serve``) is built, before any model loads; with
-  compact draft positions and no user ``max_num_batched_tokens``, caps prompt
-  chunks at half the draft's window; with goodput control or
-  ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``,
-  selects the synchronous scheduler.
+- ``EngineArgs.create_engine_config``: when the engine (``LLM(...)``,
+  ``vllm serve``) is built, before any model loads, checks the user's
+  ``spec_extend`` options, adjusts vLLM's config (with goodput control or
+  ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``, the
+  synchronous scheduler; with compact draft positions and no user
+  ``max_num_batched_tokens``, prompt chunks of half the draft's window),
+  then resolves the options against it and keeps the result on the config
+  for every reader (``retrieval/engine_options.py``).
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -53,21 +54,17 @@ from typing import Any
 
 import torch
 
-from vllm_specextend.core.options import (
-    SpecExtendConfig,
-    SpecExtendConfigError,
-    spec_extend_options,
-)
+from vllm_specextend.core.options import SpecExtendConfigError, spec_extend_options
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.post_import import when_imported
 from vllm_specextend.retrieval.engine_options import (
-    SETUP_ATTRIBUTE,
     RetrievalSetup,
-    fit_prefill_chunks_to_draft_window,
-    needs_synchronous_scheduler,
+    adjust_engine_args,
+    adjust_vllm_config,
+    kept_setup,
     private_layout_blocks,
+    requested_config,
     requests_spec_extend,
-    resolve_setup,
 )
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
@@ -99,11 +96,17 @@ def install() -> None:
 def install_version_guard(message: str) -> None:
     """On an unsupported vLLM: patch nothing, but refuse ``spec_extend``."""
 
-    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
-        if spec_extend_options(getattr(vllm_config, "additional_config", None)) is not None:
-            raise SpecExtendConfigError(message)
+    def make_wrapper(original: Callable) -> Callable:
+        def create_engine_config(self, *args, **kwargs):
+            if spec_extend_options(self.additional_config) is not None:
+                raise SpecExtendConfigError(message)
+            return original(self, *args, **kwargs)
 
-    when_imported(ENGINE_ARGS_MODULE, lambda module: _check_engine_config(module, check))
+        return create_engine_config
+
+    when_imported(ENGINE_ARGS_MODULE,
+                  lambda module: wrap_once(module.EngineArgs, "create_engine_config",
+                                           make_wrapper))
 
 
 def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
@@ -121,39 +124,26 @@ def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callabl
 
 
 def engine_setup(engine: Any) -> RetrievalSetup | None:
-    """The engine's resolved options, computed at its first use and kept."""
-    if SETUP_ATTRIBUTE not in engine.__dict__:
-        engine.__dict__[SETUP_ATTRIBUTE] = resolve_setup(engine.vllm_config)
-    return engine.__dict__[SETUP_ATTRIBUTE]
+    """An engine's resolved options (kept on its config at construction)."""
+    return kept_setup(engine.vllm_config)
 
 
 # ---- engine construction ---------------------------------------------------
 
 
 def _patch_create_engine_config(module: ModuleType) -> None:
-    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
-        if requests_spec_extend(vllm_config):
-            options = spec_extend_options(vllm_config.additional_config)
-            fit_prefill_chunks_to_draft_window(
-                vllm_config, SpecExtendConfig.from_dict(options), user_chunk_budget
-            )
-        resolve_setup(vllm_config)
-
-    _check_engine_config(module, check)
-
-
-def _check_engine_config(module: ModuleType, check: Callable[[Any, int | None], Any]) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def create_engine_config(self, *args, **kwargs):
+            # Options checked on their own, vLLM's config adjusted, then the
+            # options checked against it and the result kept on it.
+            config = requested_config(self.additional_config)
             user_chunk_budget = self.max_num_batched_tokens
-            if (self.async_scheduling is None
-                    and needs_synchronous_scheduler(self.additional_config)):
-                # Goodput control decides each request's drafts after the
-                # drafter ran, acceptance refresh reads the accepted drafts:
-                # the synchronous scheduler takes and reports them as they are.
-                self.async_scheduling = False
+            if config is not None:
+                adjust_engine_args(self, config)
             vllm_config = original(self, *args, **kwargs)
-            check(vllm_config, user_chunk_budget)
+            if config is not None:
+                adjust_vllm_config(vllm_config, config, user_chunk_budget)
+            kept_setup(vllm_config)
             return vllm_config
 
         return create_engine_config
@@ -261,16 +251,14 @@ def _swap_while_runner_is_built(
     """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, each
     module global ``name`` is ``replacements[name](stock, setup)``; they are
     restored right after, so the stock objects are untouched and
-    ``isinstance`` checks keep working. The runner keeps the setup in
-    ``SETUP_ATTRIBUTE``."""
+    ``isinstance`` checks keep working."""
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
-            setup = resolve_setup(vllm_config)
+            setup = kept_setup(vllm_config)
             if setup is None:
                 return original(self, vllm_config, *args, **kwargs)
             _add_worker_metrics_method()
-            setattr(self, SETUP_ATTRIBUTE, setup)
             stock = {name: getattr(module, name) for name in replacements}
             for name, replacement in replacements.items():
                 setattr(module, name, replacement(stock[name], setup))
@@ -291,7 +279,7 @@ def _patch_engine_core_kv_caches(module: ModuleType) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def _initialize_kv_caches(self, vllm_config):
             scheduler_kv_cache_config = original(self, vllm_config)
-            setup = resolve_setup(vllm_config)
+            setup = kept_setup(vllm_config)
             if setup is None or not setup.private_layouts:
                 return scheduler_kv_cache_config
             block_size = scheduler_kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size

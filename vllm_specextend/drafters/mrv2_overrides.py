@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.drafters.features import DrafterFeatures
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, resolve_setup
+from vllm_specextend.retrieval.engine_options import RetrievalSetup, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -72,7 +72,7 @@ class MRV2Overrides(DrafterFeatures):
     ):
         super().__init__(vllm_config, device)
         self.retrieval = DraftRetrieval(
-            setup or resolve_setup(vllm_config),
+            setup or kept_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             # A draft model's step 0 adds a correction token per row.

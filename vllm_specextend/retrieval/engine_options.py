@@ -3,6 +3,13 @@
 Everything that can be refused is refused here, when the engine is built
 (``LLM(...)``, ``vllm serve``), before any model loads, with the reason and
 the remedy: retrieval never silently turns into plain drafting.
+
+Engine construction (``patches.py``, ``EngineArgs.create_engine_config``)
+runs three steps, in this order: :func:`requested_config` checks the user's
+options on their own; :func:`adjust_engine_args` / :func:`adjust_vllm_config`
+are the only code that changes vLLM's config; :func:`kept_setup` checks the
+options against vLLM's config (:func:`resolve_setup`) and keeps the result
+on it, where the engine, the engine core and every runner read it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ a draft model, or an EAGLE head or MTP layer whose attention layer shares the
 target's KV cache group."""
 
 SETUP_ATTRIBUTE = "_spec_extend_setup"
-"""Where an engine or model runner keeps its resolved :class:`RetrievalSetup`."""
+"""Where an engine's ``VllmConfig`` keeps its resolved :class:`RetrievalSetup`
+(:func:`kept_setup`)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +65,9 @@ class RetrievalSetup:
 def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     """The validated retrieval set-up of an engine, or None when it is off.
 
-    Engine construction calls this once (``EngineArgs.create_engine_config``)
-    and so do the runners when they build their drafter; per-step and
-    per-metrics code keeps the result instead of calling it again.
+    Pure: it reads vLLM's config and changes nothing (``adjust_*`` did
+    that before). Readers call :func:`kept_setup`, which calls this once
+    per engine, at its construction.
 
     Raises:
         SpecExtendConfigError: options that retrieval cannot honour.
@@ -97,9 +105,10 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     if method == "mtp":
         _check_mtp(spec, vllm_config.use_v2_model_runner)
     block_size = vllm_config.cache_config.block_size
+    config.check_draft_positions(draft_window(vllm_config), vllm_config.model_config.max_model_len)
     compact = uses_compact_positions(vllm_config, config)
     if block_size is not None:
-        config.resolved_chunk_size(block_size)
+        config.check_chunk_size(block_size)
         if compact:
             _check_compact_positions(vllm_config, config, block_size)
     if compact and not config.retrieves:
@@ -116,7 +125,7 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         _check_acceptance_refresh(vllm_config)
     if config.retrieves and vllm_config.use_v2_model_runner and method != "draft_model":
         _check_mrv2_data_parallel(vllm_config)
-    if config.retrieves and private_layouts_ignored(vllm_config, compact):
+    if config.retrieves and private_layouts_ignored(options, vllm_config, compact):
         logger.warning_once(
             "SpecExtend: option 'private_layouts' has no effect: it applies to compact "
             "draft positions with prefix caching only; ignored.")
@@ -138,6 +147,18 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
         full_graph_query_len=full_decode_graph_query_len(vllm_config),
     )
+
+
+def kept_setup(vllm_config: Any) -> RetrievalSetup | None:
+    """The engine's set-up, resolved once and kept on its ``VllmConfig``
+    (under ``SETUP_ATTRIBUTE``): vLLM hands that config, pickled, to the
+    engine core and every worker, so each reader gets the set-up resolved at
+    engine construction. A config built otherwise (tests, tools) is resolved
+    at its first reader."""
+    kept = vllm_config.__dict__
+    if SETUP_ATTRIBUTE not in kept:
+        kept[SETUP_ATTRIBUTE] = resolve_setup(vllm_config)
+    return kept[SETUP_ATTRIBUTE]
 
 
 def full_decode_graph_query_len(vllm_config: Any) -> int | None:
@@ -205,21 +226,11 @@ def _check_speculation_control(vllm_config: Any) -> None:
         )
 
 
-def controls_speculation(additional_config: Any) -> bool:
-    """Whether the user's options ask for goodput control (before validation)."""
-    options = spec_extend_options(additional_config)
-    return isinstance(options, dict) and options.get("speculation_control", "off") != "off"
-
-
-def needs_synchronous_scheduler(additional_config: Any) -> bool:
-    """Whether the user's options read each step's accepted drafts on the host
-    (goodput control, acceptance-driven refresh), before validation."""
-    options = spec_extend_options(additional_config)
-    if not isinstance(options, dict):
-        return False
-    refreshes_on_acceptance = (options.get("retrieval_refresh") == "acceptance"
-                               and options.get("mode", "cmr") != "off")
-    return controls_speculation(additional_config) or refreshes_on_acceptance
+def needs_synchronous_scheduler(config: SpecExtendConfig) -> bool:
+    """Whether the options read each step's accepted drafts on the host
+    (goodput control, acceptance-driven refresh)."""
+    refreshes_on_acceptance = config.retrieves and config.retrieval_refresh == "acceptance"
+    return config.controls_speculation or refreshes_on_acceptance
 
 
 def _check_acceptance_refresh(vllm_config: Any) -> None:
@@ -296,10 +307,11 @@ def meaningless_options(options: dict[str, Any], config: SpecExtendConfig) -> di
     return ignored
 
 
-def private_layouts_ignored(vllm_config: Any, compact_positions: bool) -> bool:
-    """Whether the user set ``private_layouts`` where it changes nothing."""
-    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
-    if not isinstance(options, dict) or "private_layouts" not in options:
+def private_layouts_ignored(options: dict[str, Any], vllm_config: Any,
+                            compact_positions: bool) -> bool:
+    """Whether the user set ``private_layouts`` (in ``options``, validated)
+    where it changes nothing."""
+    if "private_layouts" not in options:
         return False
     return not (compact_positions and vllm_config.cache_config.enable_prefix_caching)
 
@@ -337,15 +349,26 @@ def _check_mtp(spec: Any, use_v2_model_runner: bool) -> None:
             )
 
 
+def requested_config(additional_config: Any) -> SpecExtendConfig | None:
+    """The user's options, checked on their own (before vLLM's config
+    exists); None without ``spec_extend`` or with both features off.
+
+    Raises:
+        SpecExtendConfigError: an unknown option or an invalid value.
+    """
+    options = spec_extend_options(additional_config)
+    if options is None:
+        return None
+    config = SpecExtendConfig.from_dict(options)
+    return config if config.enabled else None
+
+
 def requests_spec_extend(vllm_config: Any) -> bool:
-    """Whether the engine asks for retrieval (options are validated later)."""
-    options = spec_extend_options(getattr(vllm_config, "additional_config", None))
-    if options is None or speculative_method(vllm_config.speculative_config) not in DRAFT_METHODS:
-        return False
-    try:
-        return SpecExtendConfig.from_dict(options).enabled
-    except SpecExtendConfigError:
-        return False
+    """Whether the engine asks for SpecExtend on a drafter it serves (the
+    options checked on their own; against vLLM's config by :func:`resolve_setup`)."""
+    config = requested_config(getattr(vllm_config, "additional_config", None))
+    return (config is not None
+            and speculative_method(vllm_config.speculative_config) in DRAFT_METHODS)
 
 
 def draft_window(vllm_config: Any) -> int:
@@ -392,16 +415,26 @@ def _check_compact_positions(
         )
 
 
-def fit_prefill_chunks_to_draft_window(
+def adjust_engine_args(engine_args: Any, config: SpecExtendConfig) -> None:
+    """Before vLLM builds its config: with goodput control or
+    ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``,
+    select the synchronous scheduler (both read each step's accepted drafts
+    on the host, which the async scheduler knows a step late)."""
+    if engine_args.async_scheduling is None and needs_synchronous_scheduler(config):
+        engine_args.async_scheduling = False
+
+
+def adjust_vllm_config(
     vllm_config: Any, config: SpecExtendConfig, user_chunk_budget: int | None
 ) -> None:
-    """With compact draft positions and no ``max_num_batched_tokens`` from the
+    """After vLLM built its config, before :func:`resolve_setup` checks it:
+    with compact draft positions and no ``max_num_batched_tokens`` from the
     user, schedule prompt chunks of at most half the draft's window, so the
     other half holds the most recent context while the draft prefills them."""
     block_size = vllm_config.cache_config.block_size
-    if user_chunk_budget is not None or block_size is None:
-        return
-    if not uses_compact_positions(vllm_config, config):
+    if (user_chunk_budget is not None or block_size is None
+            or speculative_method(vllm_config.speculative_config) not in DRAFT_METHODS
+            or not uses_compact_positions(vllm_config, config)):
         return
     scheduler = vllm_config.scheduler_config
     window = draft_window(vllm_config)
