@@ -11,8 +11,8 @@ options every wrapper calls straight through.
   ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``, the
   synchronous scheduler; with compact draft positions and no user
   ``max_num_batched_tokens``, prompt chunks of half the draft's window),
-  then resolves the options against it and keeps the result on the config
-  for every reader (``retrieval/engine_options.py``).
+  then resolves the options against it and keeps the result for every
+  reader of that config (``retrieval/engine_options.py``).
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -58,6 +58,7 @@ from vllm_specextend.core.options import SpecExtendConfigError, spec_extend_opti
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.post_import import when_imported
 from vllm_specextend.retrieval.engine_options import (
+    SETUP_ATTRIBUTE,
     RetrievalSetup,
     adjust_engine_args,
     adjust_vllm_config,
@@ -124,7 +125,7 @@ def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callabl
 
 
 def engine_setup(engine: Any) -> RetrievalSetup | None:
-    """An engine's resolved options (kept on its config at construction)."""
+    """An engine's resolved options (resolved at its construction and kept)."""
     return kept_setup(engine.vllm_config)
 
 
@@ -195,6 +196,7 @@ def _patch_model_runner_init(module: ModuleType) -> None:
         # vLLM switches drafting off for the whole batch when its longest
         # request does not fit the draft's window; our proposer drafts every
         # row inside the window (compact positions), so every row drafts.
+        # Set on this runner only (the class stays stock for other engines).
         runner._input_fits_in_drafter = _every_row_drafts
 
     _swap_while_runner_is_built(
@@ -251,7 +253,16 @@ def _swap_while_runner_is_built(
     """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, each
     module global ``name`` is ``replacements[name](stock, setup)``; they are
     restored right after, so the stock objects are untouched and
-    ``isinstance`` checks keep working."""
+    ``isinstance`` checks keep working. The runner keeps the setup in
+    ``SETUP_ATTRIBUTE`` for the drafter it builds.
+
+    Why a swap: vLLM builds the drafter inline in ``GPUModelRunner.__init__``
+    by module-level name, with no factory to override:
+    ``vllm/v1/worker/gpu_model_runner.py:612`` (``DraftModelProposer(...)``),
+    ``:644`` (``EagleProposer(...)``) and ``vllm/v1/worker/gpu/model_runner.py:296``
+    (``init_speculator(...)``). Replacing ``runner.drafter`` after ``__init__``
+    would build the stock drafter first (its buffers allocated twice) and miss
+    what ``__init__`` reads from it (``eagle3_use_aux_hidden_state``)."""
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
@@ -259,6 +270,7 @@ def _swap_while_runner_is_built(
             if setup is None:
                 return original(self, vllm_config, *args, **kwargs)
             _add_worker_metrics_method()
+            setattr(self, SETUP_ATTRIBUTE, setup)
             stock = {name: getattr(module, name) for name in replacements}
             for name, replacement in replacements.items():
                 setattr(module, name, replacement(stock[name], setup))
@@ -411,12 +423,15 @@ def patch_cpu_rejection_sampler() -> bool:
 
     Idempotent. A no-op on GPU and where Triton-CPU runs the real kernel.
     """
-    from vllm.triton_utils import dispatcher
+    from vllm.triton_utils.dispatcher import KernelOverride, register_kernels
+    from vllm.v1.sample import rejection_sampler
 
-    registered = dispatcher._registry.get(EXPAND_KERNEL)
-    if registered is None:
+    # A registered override replaces the module's kernel with a KernelOverride
+    # whose ``func`` is the platform's implementation.
+    kernel = rejection_sampler.expand_kernel
+    if not isinstance(kernel, KernelOverride):
         return False
-    if registered[1] is expand_kernel_impl:
+    if kernel.func is expand_kernel_impl:
         return True
-    dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     return True

@@ -73,7 +73,7 @@ class StockProposer:
         self.kv_cache_gid = 0
         self.block_size = BLOCK_SIZE
         # vLLM's: a draft model takes its next token in an extra slot, a head does not.
-        self.needs_extra_input_slots = getattr(vllm_config, SETUP_ATTRIBUTE).method == "draft_model"
+        self.needs_extra_input_slots = getattr(runner, SETUP_ATTRIBUTE).method == "draft_model"
         self.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.calls = []
 
@@ -151,7 +151,7 @@ def step_inputs(rows: dict[str, tuple[int, int]]) -> dict:
     )
 
 
-def runner_for():
+def runner_for(setup: RetrievalSetup):
     """The V1 runner's host state that the proposer reads."""
     block_table = np.arange(MAX_REQS * MAX_BLOCKS, dtype=np.int32).reshape(MAX_REQS, -1)
     input_batch = types.SimpleNamespace(
@@ -160,7 +160,7 @@ def runner_for():
         token_ids_cpu=np.arange(MAX_REQS * MAX_MODEL_LEN, dtype=np.int32).reshape(MAX_REQS, -1),
         block_table=[types.SimpleNamespace(get_numpy_array=lambda: block_table)],
     )
-    return types.SimpleNamespace(input_batch=input_batch)
+    return types.SimpleNamespace(input_batch=input_batch, **{SETUP_ATTRIBUTE: setup})
 
 
 def set_up(method: str, draft_window: int) -> Proposer:
@@ -175,8 +175,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
     setup = RetrievalSetup(config=config, method=method, draft_window=draft_window,
                            num_speculative_tokens=K, compact_positions=compact,
                            steps_in_flight=2)
-    # The engine's config, with the set-up kept on it at engine construction.
-    proposer = Proposer(types.SimpleNamespace(**{SETUP_ATTRIBUTE: setup}), META, runner_for())
+    proposer = Proposer(None, META, runner_for(setup))
     retrieval = proposer.retrieval
     retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                      {DRAFT_LAYER})

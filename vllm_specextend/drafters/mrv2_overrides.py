@@ -224,7 +224,13 @@ class MRV2Overrides(DrafterFeatures):
 
     @contextlib.contextmanager
     def _reading_compacted(self, input_buffers: bool = True) -> Iterator[None]:
-        """Within: ``block_tables`` (and ``input_buffers``) are the compacted overlays."""
+        """Within: ``block_tables`` (and ``input_buffers``) are the compacted overlays.
+
+        Why a swap of the speculator's own attributes: MRV2's metadata builds
+        take no buffers as parameters; they read ``self.block_tables`` and
+        ``self.input_buffers`` (``vllm/v1/worker/gpu/spec_decode/speculator.py:353-398``
+        in ``_build_attn_metadata``, ``target_dependent_ar/speculator.py:541-549``
+        in ``_fused_multi_step_decode``)."""
         stock_buffers, stock_tables = self.input_buffers, self.block_tables
         self.block_tables = self._compacted_block_tables()
         if input_buffers:

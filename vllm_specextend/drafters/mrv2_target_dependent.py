@@ -88,7 +88,8 @@ class MRV2TargetDependentOverrides(MRV2Overrides):
 
     @override
     def _run_model(self, num_tokens: int, *args, **kwargs):
-        # The stock forward reads its positions from ``input_buffers``; the
+        # The stock forward reads its positions from ``input_buffers``
+        # (``target_dependent_ar/speculator.py:376-409``, no parameter); the
         # kernels that advance them keep the original ones.
         if self.retrieval.kv_copy is None:
             return super()._run_model(num_tokens, *args, **kwargs)
@@ -109,7 +110,15 @@ class MRV2TargetDependentOverrides(MRV2Overrides):
 
     def _route_graphs_through_retrieval(self) -> None:
         """Step-0 graph replays of compacted steps run eagerly; decode graphs
-        are captured over the compacted buffers."""
+        are captured over the compacted buffers.
+
+        Why rebinding the managers' methods: vLLM builds both managers inside
+        ``init_cudagraph_manager`` (``target_dependent_ar/speculator.py:91-107``,
+        with a graph mode it derives there) and calls ``run_fullgraph`` and
+        ``capture`` from ``propose`` and ``capture`` (``:129``, ``:151``, ``:280``),
+        passing ``self.input_buffers`` / ``self.block_tables`` to the decode
+        capture; no parameter or factory lets a subclass choose the buffers or
+        the replay."""
         prefill, decode = self.prefill_cudagraph_manager, self.decode_cudagraph_manager
         if prefill is not None:
             stock_replay = prefill.run_fullgraph

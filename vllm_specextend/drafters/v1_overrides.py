@@ -34,7 +34,7 @@ from vllm_specextend.control.owner import DraftControl
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.drafters.features import DrafterFeatures
-from vllm_specextend.retrieval.engine_options import kept_setup
+from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -43,7 +43,7 @@ class V1Overrides(DrafterFeatures):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        setup = kept_setup(vllm_config)
+        setup = getattr(runner, SETUP_ATTRIBUTE, None) or kept_setup(vllm_config)
         self.runner = runner
         self.retrieval = DraftRetrieval(
             setup,

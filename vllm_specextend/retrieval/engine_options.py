@@ -9,11 +9,12 @@ runs three steps, in this order: :func:`requested_config` checks the user's
 options on their own; :func:`adjust_engine_args` / :func:`adjust_vllm_config`
 are the only code that changes vLLM's config; :func:`kept_setup` checks the
 options against vLLM's config (:func:`resolve_setup`) and keeps the result
-on it, where the engine, the engine core and every runner read it.
+for every reader of that config.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,8 @@ a draft model, or an EAGLE head or MTP layer whose attention layer shares the
 target's KV cache group."""
 
 SETUP_ATTRIBUTE = "_spec_extend_setup"
-"""Where an engine's ``VllmConfig`` keeps its resolved :class:`RetrievalSetup`
-(:func:`kept_setup`)."""
+"""Where a model runner keeps its engine's resolved :class:`RetrievalSetup`
+for the drafter it builds."""
 
 
 @dataclass(frozen=True)
@@ -149,16 +150,25 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
     )
 
 
+_KEPT_SETUPS: dict[int, RetrievalSetup | None] = {}
+"""Resolved set-ups by ``id`` of their live ``VllmConfig`` (see :func:`kept_setup`)."""
+
+
 def kept_setup(vllm_config: Any) -> RetrievalSetup | None:
-    """The engine's set-up, resolved once and kept on its ``VllmConfig``
-    (under ``SETUP_ATTRIBUTE``): vLLM hands that config, pickled, to the
-    engine core and every worker, so each reader gets the set-up resolved at
-    engine construction. A config built otherwise (tests, tools) is resolved
-    at its first reader."""
-    kept = vllm_config.__dict__
-    if SETUP_ATTRIBUTE not in kept:
-        kept[SETUP_ATTRIBUTE] = resolve_setup(vllm_config)
-    return kept[SETUP_ATTRIBUTE]
+    """The engine's set-up: resolved at the first read of this ``VllmConfig``
+    in this process (engine construction, in the process that builds the
+    engine) and kept for every later reader of the same config.
+
+    Kept beside the config, not on it: vLLM's ``config.utils.replace`` (the
+    drafter's config is one) refuses attributes that are not fields, and
+    ``additional_config`` is hashed as JSON. The engine core and the workers
+    get the config pickled, so each of their processes resolves it once more
+    (the same inputs, the same result), at its first reader."""
+    key = id(vllm_config)
+    if key not in _KEPT_SETUPS:
+        _KEPT_SETUPS[key] = resolve_setup(vllm_config)
+        weakref.finalize(vllm_config, _KEPT_SETUPS.pop, key, None)
+    return _KEPT_SETUPS[key]
 
 
 def full_decode_graph_query_len(vllm_config: Any) -> int | None:
