@@ -38,11 +38,8 @@ from vllm_specextend.retrieval.draft_kv_copy import (
     install_draft_kv_copy,
     repositioning_capacity,
 )
-from vllm_specextend.retrieval.engine_options import (
-    RetrievalSetup,
-    check_layers_write_kv_through_update,
-    private_layout_blocks,
-)
+from vllm_specextend.retrieval.engine_checks import check_layers_write_kv_through_update
+from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
