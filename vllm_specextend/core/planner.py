@@ -218,7 +218,7 @@ class RetrievalPlanner:
         self.draft_window = draft_window
         self.compact_positions = compact_positions
         self.device = device
-        self.stats = RetrievalStats(max_requests=max_num_reqs, device=device)
+        self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
         self._requests: dict[str, _RequestState] = {}
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs))

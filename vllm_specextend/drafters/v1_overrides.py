@@ -1,15 +1,18 @@
-"""Retrieval in vLLM's V1 model runner: the overrides every V1 drafter shares.
+"""SpecExtend in vLLM's V1 model runner: the overrides every V1 drafter shares.
 
 vLLM's V1 drafters derive from ``SpecDecodeBaseProposer``
 (``v1/spec_decode/llm_base_proposer.py``); :class:`V1Overrides` is mixed in
-before the stock class and changes only this:
+before the stock class, holds a :class:`DraftRetrieval` and, under goodput
+control, a :class:`DraftControl`, and changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
-  attention layer;
+  attention layer (and gives an EAGLE head's control its kept hidden states);
 - ``initialize_attn_backend`` binds it to the KV cache (tap, plain draft KV
   copy);
-- ``propose`` plans, per request, which KV blocks the draft keeps, from the
-  V1 attention metadata;
+- ``propose`` asks control for each request's drafts (none: the draft's
+  forward is skipped), plans, per request, which KV blocks the draft keeps,
+  from the V1 attention metadata, and lets control put the tokens a skipped
+  forward left behind before each request's query;
 - ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
   compacted block table and shortened ``seq_lens``;
 - with compact draft positions, ``_get_positions`` runs each compacted row at
