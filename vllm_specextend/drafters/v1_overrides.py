@@ -48,14 +48,16 @@ class V1Overrides(DrafterFeatures):
         super().__init__(vllm_config, device, runner)
         setup = getattr(runner, SETUP_ATTRIBUTE, None) or kept_setup(vllm_config)
         self.runner = runner
-        self.retrieval = DraftRetrieval(
-            setup,
-            max_num_reqs=self.max_batch_size,
-            max_model_len=self.max_model_len,
-            max_num_tokens=self.max_num_tokens,
-            dtype=self.dtype,
-            device=device,
-        )
+        self.retrieval: DraftRetrieval | None = None
+        if setup.config.retrieves:
+            self.retrieval = DraftRetrieval(
+                setup,
+                max_num_reqs=self.max_batch_size,
+                max_model_len=self.max_model_len,
+                max_num_tokens=self.max_num_tokens,
+                dtype=self.dtype,
+                device=device,
+            )
         self.control: DraftControl | None = None
         if setup.config.controls_speculation:
             self.control = DraftControl(
@@ -81,10 +83,11 @@ class V1Overrides(DrafterFeatures):
     @override
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)
-        self.retrieval.attach(
-            get_layers_from_vllm_config(self.vllm_config, Attention),
-            self._draft_attn_layer_names,
-        )
+        if self.retrieval is not None:
+            self.retrieval.attach(
+                get_layers_from_vllm_config(self.vllm_config, Attention),
+                self._draft_attn_layer_names,
+            )
         if self.control is not None and self.control.hidden_capacity:
             self.control.allocate_paused_hidden_states(self._target_hidden_width(), self.dtype)
 
@@ -103,8 +106,9 @@ class V1Overrides(DrafterFeatures):
         kernel_block_sizes: list[int] | None = None,
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
-        assert self.retrieval.kv_cache_gid == self.kv_cache_gid
+        if self.retrieval is not None:
+            self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
+            assert self.retrieval.kv_cache_gid == self.kv_cache_gid
 
     # ---- the seam into drafting ------------------------------------------
 
@@ -126,7 +130,8 @@ class V1Overrides(DrafterFeatures):
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
             num_speculative_tokens = min(num_speculative_tokens, draft_steps)
-        self._draft_view = self.retrieval.plan(batch)
+        if self.retrieval is not None:
+            self._draft_view = self.retrieval.plan(batch)
         if controlled:
             kwargs = self.control.with_catch_up(
                 kwargs, batch, self.runner.input_batch.token_ids_cpu, self.block_size)
@@ -169,7 +174,7 @@ class V1Overrides(DrafterFeatures):
     @override
     def _get_positions(self, num_tokens: int) -> torch.Tensor:
         positions = super()._get_positions(num_tokens)
-        kv_copy = self.retrieval.kv_copy
+        kv_copy = None if self.retrieval is None else self.retrieval.kv_copy
         if kv_copy is None:
             return positions
         # The positions the draft runs at, read by the KV copy's tap too.
