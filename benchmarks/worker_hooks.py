@@ -65,14 +65,13 @@ def reconfigure_drafter(worker, options: dict) -> None:
     """Swap the SpecExtend drafter's options (``mode: off`` drafts as stock)."""
     from vllm_specextend.core.options import SpecExtendConfig
 
-    _retrieval(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
+    _drafter(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
 
 
 def control_counts(worker) -> dict | None:
     """Goodput control's engine-wide counters (the benchmarks take their
     differences per run)."""
-    retrieval = _retrieval(worker.model_runner)
-    control = getattr(retrieval, "control", None)
+    control = _control(worker.model_runner)
     if control is None:
         return None
     return {key: value for key, value in control.metrics_snapshot().items()
@@ -105,7 +104,7 @@ class PausedController:
 def force_pause(worker, forced: bool) -> None:
     """Goodput control pauses every request without planning or learning
     (``always_paused``: the engine's floor), or plans again."""
-    control = _retrieval(worker.model_runner).control
+    control = _control(worker.model_runner)
     paused = isinstance(control.controller, PausedController)
     if forced and not paused:
         control.controller = PausedController(control.controller)
@@ -116,7 +115,7 @@ def force_pause(worker, forced: bool) -> None:
 def start_control_trace(worker) -> None:
     """Goodput control records every plan from now on: the requests, their
     context, their drafts, whether the draft's forward ran, and the clock."""
-    control = _retrieval(worker.model_runner).control
+    control = _control(worker.model_runner)
     trace: list[dict] = []
     control.__dict__.pop("plan", None)  # a trace started before: replaced
     stock_plan = control.plan
@@ -134,7 +133,7 @@ def start_control_trace(worker) -> None:
 
 
 def read_control_trace(worker) -> list[dict]:
-    return _retrieval(worker.model_runner).control.trace
+    return _control(worker.model_runner).trace
 
 
 def retrieval_refreshes(worker) -> dict[str, int]:
@@ -142,10 +141,19 @@ def retrieval_refreshes(worker) -> dict[str, int]:
     return dict(_retrieval(worker.model_runner).planner.stats.refreshes)
 
 
+def _drafter(runner):
+    """The runner's drafter (V1 ``drafter`` or MRV2 ``speculator``)."""
+    return getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+
+
 def _retrieval(runner):
-    """The drafter's ``DraftRetrieval`` (V1 ``drafter`` or MRV2 ``speculator``)."""
-    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-    return getattr(drafter, "retrieval", None)
+    """The drafter's ``DraftRetrieval``."""
+    return getattr(_drafter(runner), "retrieval", None)
+
+
+def _control(runner):
+    """The drafter's goodput control (its ``SpeculationControl``), if on."""
+    return getattr(getattr(_drafter(runner), "control", None), "speculation", None)
 
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_specextend"
 LAYERS = [
     ("utilities", ["vllm_specextend.log", "vllm_specextend.post_import"]),
     ("core", ["vllm_specextend.core"]),
-    ("retrieval owner", ["vllm_specextend.retrieval"]),
+    ("features", ["vllm_specextend.retrieval", "vllm_specextend.control"]),
     ("adapters", ["vllm_specextend.drafters", "vllm_specextend.metrics"]),
     ("patches", ["vllm_specextend.patches"]),
     ("plugin entry", ["vllm_specextend"]),

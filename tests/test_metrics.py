@@ -12,7 +12,7 @@ NO_PRIVATE_LAYOUTS = {"private_layout_areas": 0, "layouts_in_place": 0}
 
 
 def stats_after_two_requests() -> RetrievalStats:
-    stats = RetrievalStats(max_requests=4, device=torch.device("cpu"))
+    stats = RetrievalStats(max_num_reqs=4, device=torch.device("cpu"))
     # Slot 1: two steps at 1,000 tokens keeping 250, accepting 3 then 2 tokens.
     # Slot 2: one step at 4,000 tokens keeping 400, first step (nothing verified).
     stats.record_step(torch.tensor([1, 2]), torch.tensor([1000, 4000]),

@@ -97,18 +97,20 @@ def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkey
 def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypatch):
     from tests.retrieval.test_engine_options import engine_config
     from vllm_specextend import patches
+    from vllm_specextend.retrieval import engine_options
 
-    ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
-    stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
     calls = []
-    resolve = patches.resolve_setup
-    monkeypatch.setattr(patches, "resolve_setup", lambda config: calls.append(config)
+    resolve = engine_options.resolve_setup
+    monkeypatch.setattr(engine_options, "resolve_setup", lambda config: calls.append(config)
                         or resolve(config))
+    # Resolved at engine construction, kept on the config for every reader.
+    ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
     engine = types.SimpleNamespace(vllm_config=ours)
     setup = patches.engine_setup(engine)
     assert patches.engine_setup(engine) is setup and len(calls) == 1
     assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
     assert setup.steps_in_flight == ours.max_concurrent_batches
+    stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
     assert patches.engine_setup(stock) is None and patches.engine_setup(stock) is None
     assert len(calls) == 2
 

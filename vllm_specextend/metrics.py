@@ -54,13 +54,13 @@ _HISTOGRAMS = {
 def worker_metrics(worker: Any) -> dict[str, Any] | None:
     """``Worker.spec_extend_metrics``: the drafter's figures, if it retrieves
     (``drafter`` in vLLM's V1 runner, ``speculator`` in Model Runner V2)."""
-    from vllm_specextend.retrieval.owner import DraftRetrieval
+    from vllm_specextend.drafters.features import DrafterFeatures
 
     runner = getattr(worker, "model_runner", None)
     for name in ("drafter", "speculator"):
-        retrieval = getattr(getattr(runner, name, None), "retrieval", None)
-        if isinstance(retrieval, DraftRetrieval):
-            return retrieval.metrics_snapshot()
+        drafter = getattr(runner, name, None)
+        if isinstance(drafter, DrafterFeatures):
+            return drafter.metrics_snapshot()
     return None
 
 
@@ -91,7 +91,13 @@ class SpecExtendCollector:
         )
 
         with self._lock:
-            snapshots = dict(self._snapshots)
+            everything = dict(self._snapshots)
+        # Goodput control without retrieval (mode off) has control figures only.
+        snapshots = {model: snap for model, snap in everything.items() if "refreshes" in snap}
+        controlled = {model: snap["control"] for model, snap in everything.items()
+                      if snap.get("control") is not None}
+        if controlled:
+            yield from _control_families(controlled, CounterMetricFamily, HistogramMetricFamily)
         if not snapshots:
             return
         for key, doc in _COUNTERS.items():
@@ -112,10 +118,6 @@ class SpecExtendCollector:
             for cause, count in snap["refreshes"].items():
                 family.add_metric([model, cause], count)
         yield family
-        controlled = {model: snap["control"] for model, snap in snapshots.items()
-                      if snap.get("control") is not None}
-        if controlled:
-            yield from _control_families(controlled, CounterMetricFamily, HistogramMetricFamily)
         for key, doc in _HISTOGRAMS.items():
             yield _histogram_family(HistogramMetricFamily, f"vllm:spec_extend_{key}", doc,
                                     {model: snap[key] for model, snap in snapshots.items()})

@@ -5,13 +5,14 @@ imports the patched module (``post_import.when_imported``), so a front-end
 process never imports the model runner for us. Without ``spec_extend``
 options every wrapper calls straight through.
 
-- ``EngineArgs.create_engine_config``: resolves and validates the engine's
-  ``spec_extend`` options (``retrieval/engine_options.py``) when the engine
-  (``LLM(...)``, ``vllm serve``) is built, before any model loads; with
-  compact draft positions and no user ``max_num_batched_tokens``, caps prompt
-  chunks at half the draft's window; with goodput control or
-  ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``,
-  selects the synchronous scheduler.
+- ``EngineArgs.create_engine_config``: when the engine (``LLM(...)``,
+  ``vllm serve``) is built, before any model loads, checks the user's
+  ``spec_extend`` options, adjusts vLLM's config (with goodput control or
+  ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``, the
+  synchronous scheduler; with compact draft positions and no user
+  ``max_num_batched_tokens``, prompt chunks of half the draft's window),
+  then resolves the options against it and keeps the result for every
+  reader of that config (``retrieval/engine_options.py``).
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -41,6 +42,9 @@ options every wrapper calls straight through.
 
 Per-layer hooks (the tap, the plain draft KV copy) are instance-level and
 live with retrieval (``retrieval/layer_hooks.py``).
+
+This module runs past 400 lines on purpose: every patch of vLLM lives in this
+one file, so that what SpecExtend changes in vLLM reads in one place.
 """
 
 from __future__ import annotations
@@ -53,21 +57,18 @@ from typing import Any
 
 import torch
 
-from vllm_specextend.core.options import (
-    SpecExtendConfig,
-    SpecExtendConfigError,
-    spec_extend_options,
-)
+from vllm_specextend.core.options import SpecExtendConfigError, spec_extend_options
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.post_import import when_imported
 from vllm_specextend.retrieval.engine_options import (
     SETUP_ATTRIBUTE,
     RetrievalSetup,
-    fit_prefill_chunks_to_draft_window,
-    needs_synchronous_scheduler,
+    adjust_engine_args,
+    adjust_vllm_config,
+    kept_setup,
     private_layout_blocks,
+    requested_config,
     requests_spec_extend,
-    resolve_setup,
 )
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
@@ -99,11 +100,17 @@ def install() -> None:
 def install_version_guard(message: str) -> None:
     """On an unsupported vLLM: patch nothing, but refuse ``spec_extend``."""
 
-    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
-        if spec_extend_options(getattr(vllm_config, "additional_config", None)) is not None:
-            raise SpecExtendConfigError(message)
+    def make_wrapper(original: Callable) -> Callable:
+        def create_engine_config(self, *args, **kwargs):
+            if spec_extend_options(self.additional_config) is not None:
+                raise SpecExtendConfigError(message)
+            return original(self, *args, **kwargs)
 
-    when_imported(ENGINE_ARGS_MODULE, lambda module: _check_engine_config(module, check))
+        return create_engine_config
+
+    when_imported(ENGINE_ARGS_MODULE,
+                  lambda module: wrap_once(module.EngineArgs, "create_engine_config",
+                                           make_wrapper))
 
 
 def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
@@ -121,39 +128,26 @@ def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callabl
 
 
 def engine_setup(engine: Any) -> RetrievalSetup | None:
-    """The engine's resolved options, computed at its first use and kept."""
-    if SETUP_ATTRIBUTE not in engine.__dict__:
-        engine.__dict__[SETUP_ATTRIBUTE] = resolve_setup(engine.vllm_config)
-    return engine.__dict__[SETUP_ATTRIBUTE]
+    """An engine's resolved options (resolved at its construction and kept)."""
+    return kept_setup(engine.vllm_config)
 
 
 # ---- engine construction ---------------------------------------------------
 
 
 def _patch_create_engine_config(module: ModuleType) -> None:
-    def check(vllm_config: Any, user_chunk_budget: int | None) -> None:
-        if requests_spec_extend(vllm_config):
-            options = spec_extend_options(vllm_config.additional_config)
-            fit_prefill_chunks_to_draft_window(
-                vllm_config, SpecExtendConfig.from_dict(options), user_chunk_budget
-            )
-        resolve_setup(vllm_config)
-
-    _check_engine_config(module, check)
-
-
-def _check_engine_config(module: ModuleType, check: Callable[[Any, int | None], Any]) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def create_engine_config(self, *args, **kwargs):
+            # Options checked on their own, vLLM's config adjusted, then the
+            # options checked against it and the result kept on it.
+            config = requested_config(self.additional_config)
             user_chunk_budget = self.max_num_batched_tokens
-            if (self.async_scheduling is None
-                    and needs_synchronous_scheduler(self.additional_config)):
-                # Goodput control decides each request's drafts after the
-                # drafter ran, acceptance refresh reads the accepted drafts:
-                # the synchronous scheduler takes and reports them as they are.
-                self.async_scheduling = False
+            if config is not None:
+                adjust_engine_args(self, config)
             vllm_config = original(self, *args, **kwargs)
-            check(vllm_config, user_chunk_budget)
+            if config is not None:
+                adjust_vllm_config(vllm_config, config, user_chunk_budget)
+            kept_setup(vllm_config)
             return vllm_config
 
         return create_engine_config
@@ -190,10 +184,10 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
 
 def _patch_model_runner_init(module: ModuleType) -> None:
     def draft_model_proposer(stock: type, setup: RetrievalSetup) -> type:
-        from vllm_specextend.drafters.v1_draft_model import SpecExtendProposer
+        from vllm_specextend.drafters.v1_draft_model import SpecExtendDraftModelProposer
 
         patch_cpu_rejection_sampler()
-        return SpecExtendProposer
+        return SpecExtendDraftModelProposer
 
     def eagle_proposer(stock: type, setup: RetrievalSetup) -> type:
         from vllm_specextend.drafters.v1_eagle import SpecExtendEagleProposer
@@ -205,6 +199,7 @@ def _patch_model_runner_init(module: ModuleType) -> None:
         # vLLM switches drafting off for the whole batch when its longest
         # request does not fit the draft's window; our proposer drafts every
         # row inside the window (compact positions), so every row drafts.
+        # Set on this runner only (the class stays stock for other engines).
         runner._input_fits_in_drafter = _every_row_drafts
 
     _swap_while_runner_is_built(
@@ -221,11 +216,10 @@ def _keep_planned_drafts(stock: Callable) -> Callable:
 
     def _get_draft_token_ids_cpu(self):
         draft_token_ids, req_ids = stock(self)
-        retrieval = getattr(getattr(self, "drafter", None), "retrieval", None)
-        control = getattr(retrieval, "control", None)
-        if control is None:
+        control = getattr(getattr(self, "drafter", None), "control", None)
+        lengths = None if control is None else control.draft_lengths
+        if lengths is None:
             return draft_token_ids, req_ids
-        lengths = control.draft_lengths
         return [
             ids[: lengths.get(req_id, len(ids))] for ids, req_id in zip(draft_token_ids, req_ids)
         ], req_ids
@@ -237,7 +231,7 @@ def _patch_model_runner_v2_init(module: ModuleType) -> None:
     def speculator_factory(stock: Callable, setup: RetrievalSetup) -> Callable:
         if setup.method == "draft_model":
             from vllm_specextend.drafters.mrv2_draft_model import (
-                SpecExtendARSpeculator as speculator,
+                SpecExtendStandaloneARSpeculator as speculator,
             )
         elif setup.method == "mtp":
             from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator as speculator
@@ -263,11 +257,19 @@ def _swap_while_runner_is_built(
     module global ``name`` is ``replacements[name](stock, setup)``; they are
     restored right after, so the stock objects are untouched and
     ``isinstance`` checks keep working. The runner keeps the setup in
-    ``SETUP_ATTRIBUTE``."""
+    ``SETUP_ATTRIBUTE`` for the drafter it builds.
+
+    Why a swap: vLLM builds the drafter inline in ``GPUModelRunner.__init__``
+    by module-level name, with no factory to override:
+    ``vllm/v1/worker/gpu_model_runner.py:612`` (``DraftModelProposer(...)``),
+    ``:644`` (``EagleProposer(...)``) and ``vllm/v1/worker/gpu/model_runner.py:296``
+    (``init_speculator(...)``). Replacing ``runner.drafter`` after ``__init__``
+    would build the stock drafter first (its buffers allocated twice) and miss
+    what ``__init__`` reads from it (``eagle3_use_aux_hidden_state``)."""
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
-            setup = resolve_setup(vllm_config)
+            setup = kept_setup(vllm_config)
             if setup is None:
                 return original(self, vllm_config, *args, **kwargs)
             _add_worker_metrics_method()
@@ -292,7 +294,7 @@ def _patch_engine_core_kv_caches(module: ModuleType) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def _initialize_kv_caches(self, vllm_config):
             scheduler_kv_cache_config = original(self, vllm_config)
-            setup = resolve_setup(vllm_config)
+            setup = kept_setup(vllm_config)
             if setup is None or not setup.private_layouts:
                 return scheduler_kv_cache_config
             block_size = scheduler_kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -424,12 +426,15 @@ def patch_cpu_rejection_sampler() -> bool:
 
     Idempotent. A no-op on GPU and where Triton-CPU runs the real kernel.
     """
-    from vllm.triton_utils import dispatcher
+    from vllm.triton_utils.dispatcher import KernelOverride, register_kernels
+    from vllm.v1.sample import rejection_sampler
 
-    registered = dispatcher._registry.get(EXPAND_KERNEL)
-    if registered is None:
+    # A registered override replaces the module's kernel with a KernelOverride
+    # whose ``func`` is the platform's implementation.
+    kernel = rejection_sampler.expand_kernel
+    if not isinstance(kernel, KernelOverride):
         return False
-    if registered[1] is expand_kernel_impl:
+    if kernel.func is expand_kernel_impl:
         return True
-    dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     return True

@@ -389,7 +389,7 @@ def test_drafting_stops_when_it_does_not_pay_for_anybody():
 
 
 def test_catch_up_puts_each_rows_gap_before_its_query():
-    from vllm_specextend.core.catch_up import catch_up_layout
+    from vllm_specextend.control.catch_up import catch_up_layout
 
     # Row 0: query of 4 at positions 100-103, 2 tokens to catch up (98, 99);
     # row 1: nothing to catch up; row 2: query of 1 at 50, 3 to catch up.
@@ -411,7 +411,7 @@ def test_catch_up_puts_each_rows_gap_before_its_query():
 def test_gap_slots_are_the_slots_vllm_maps_those_positions_to():
     import importlib
 
-    from vllm_specextend.core.catch_up import gap_slot_mapping
+    from vllm_specextend.control.catch_up import gap_slot_mapping
 
     importlib.import_module("vllm._custom_ops")  # registers vLLM's CPU ops
 
@@ -429,7 +429,7 @@ def test_gap_slots_are_the_slots_vllm_maps_those_positions_to():
 
 
 def test_ring_rows_keep_each_requests_recent_positions_apart():
-    from vllm_specextend.core.catch_up import ring_rows
+    from vllm_specextend.control.catch_up import ring_rows
 
     capacity = 8
     slots = np.array([0, 0, 1, 1, 1])

@@ -1,6 +1,6 @@
 """No host syncs in the adapters' per-step paths, proven without a GPU.
 
-The V1 proposer's overrides (``drafters/v1_retrieval.py``: planning, goodput
+The V1 proposer's overrides (``drafters/v1_overrides.py``: planning, goodput
 control's pauses and catch-up, the kept hidden states of a head, compact
 positions and the draft's metadata) run over a stand-in for vLLM's
 ``SpecDecodeBaseProposer`` (its ``propose`` makes the calls the stock one
@@ -20,7 +20,7 @@ from tests.core.test_host_syncs import ALLOWED
 from tests.host_sync_check import HostSyncCheck
 from vllm_specextend.core.goodput import DraftPlan
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.drafters.v1_retrieval import V1Retrieval
+from vllm_specextend.drafters.v1_overrides import V1Overrides
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, RetrievalSetup
 
 META = torch.device("meta")
@@ -59,7 +59,7 @@ class FakeAttention:
 
 
 class StockProposer:
-    """What ``V1Retrieval`` needs of vLLM's ``SpecDecodeBaseProposer``: its
+    """What ``V1Overrides`` needs of vLLM's ``SpecDecodeBaseProposer``: its
     sizes, and the calls its ``propose`` makes into our overrides (metadata
     builds for the first pass and a later draft step, the draft's positions,
     the draft layers' KV writes)."""
@@ -72,6 +72,8 @@ class StockProposer:
         self.max_model_len = MAX_MODEL_LEN
         self.kv_cache_gid = 0
         self.block_size = BLOCK_SIZE
+        # vLLM's: a draft model takes its next token in an extra slot, a head does not.
+        self.needs_extra_input_slots = getattr(runner, SETUP_ATTRIBUTE).method == "draft_model"
         self.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.calls = []
 
@@ -99,7 +101,7 @@ class StockProposer:
         return self.positions[:num_tokens]
 
 
-class Proposer(V1Retrieval, StockProposer):
+class Proposer(V1Overrides, StockProposer):
     pass
 
 
@@ -178,7 +180,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
     retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                      {DRAFT_LAYER})
     if method != "draft_model":
-        retrieval.keep_paused_hidden_states(HIDDEN, torch.float32)
+        proposer.control.allocate_paused_hidden_states(HIDDEN, torch.float32)
     with set_current_vllm_config(VllmConfig()):
         draft = torch.nn.ModuleDict({"rotary": get_rope(FakeAttention.head_size, MAX_MODEL_LEN)})
     kv_cache_config = types.SimpleNamespace(
@@ -191,7 +193,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
 def script_plans(proposer: Proposer) -> list[int]:
     """Each plan drafts the next step's K for every request (the
     controller's own bookkeeping still runs)."""
-    controller = proposer.retrieval.control.controller
+    controller = proposer.control.speculation.controller
     stock_plan = controller.plan
     plans = [k for k, _ in STEPS]
 
@@ -231,14 +233,14 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
             input_batch.num_prompt_tokens[:len(rows)] = [PROMPTS[r] for r in rows]
             target_forward(proposer, kwargs["common_attn_metadata"].num_actual_tokens)
             proposer.propose(K, **kwargs)
-        proposer.retrieval.metrics_snapshot()
+        proposer.metrics_snapshot()
     check.assert_none()
     # The paused steps skipped the draft's forward; the step after caught up
     # the tokens verified meanwhile, before its rows' queries.
     calls = proposer.calls
     assert [c["rows"] for c in calls] == [3, 4, 4]
     assert calls[1]["tokens"] > sum(q for q, _ in STEPS[3][1].values())
-    control = proposer.retrieval.control
+    control = proposer.control.speculation
     assert control.controller.stats.catch_up_tokens > 0
     assert control.controller.stats.skipped_draft_forwards == 2
     assert proposer.retrieval.planner.stats.retrievals > 0
@@ -247,7 +249,7 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
     expected = ALLOWED if draft_window < MAX_MODEL_LEN else ALLOWED - {
         "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__"}
     assert set(check.allowed) == expected
-    assert (proposer.retrieval.paused_hidden is not None) == (method != "draft_model")
+    assert (proposer.control.paused_hidden is not None) == (method != "draft_model")
 
 
 def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, monkeypatch):
@@ -263,7 +265,7 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
 
     from tests.drafters.test_mrv2_draft_model import STREAMING, input_batch
     from tests.retrieval.test_engine_options import capped_draft, engine_config
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,
                            max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
@@ -296,9 +298,9 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
     monkeypatch.setattr(speculator_module, "init_attn_backend",
                         lambda *args, **kwargs: ([], {}, None))
     # Set-up: vLLM's speculator makes its constants on the device.
-    allowed = ALLOWED | {"vllm_specextend.drafters.mrv2_retrieval:MRV2Retrieval.__init__"}
+    allowed = ALLOWED | {"vllm_specextend.drafters.mrv2_overrides:MRV2Overrides.__init__"}
     with HostSyncCheck(allowed) as check:
-        spec = SpecExtendARSpeculator(config, META)
+        spec = SpecExtendStandaloneARSpeculator(config, META)
         spec.draft_attn_layer_names = {DRAFT_LAYER}
         spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                               spec.draft_attn_layer_names)

@@ -1,5 +1,5 @@
 """Model Runner V2 (vLLM's default GPU runner): which runner an engine gets,
-and the MRV2 seam (``SpecExtendARSpeculator``) run through vLLM's own
+and the MRV2 seam (``SpecExtendStandaloneARSpeculator``) run through vLLM's own
 ``StandaloneARSpeculator.propose`` on CPU, its Triton kernel replaced by a torch
 version. MRV2's kernels need CUDA: the engine test skips on CPU."""
 
@@ -58,7 +58,7 @@ def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
 
 def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
     from vllm_specextend import patches
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     module = types.ModuleType("model_runner_v2")
     module.init_speculator = lambda vllm_config, device, req_states: "stock speculator"
@@ -71,7 +71,7 @@ def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft
     patches._patch_model_runner_v2_init(module)
     cpu = torch.device("cpu")
     ours = GPUModelRunner(engine_config(target_model, draft_model, spec_extend={}), cpu)
-    assert isinstance(ours.speculator, SpecExtendARSpeculator)
+    assert isinstance(ours.speculator, SpecExtendStandaloneARSpeculator)
     stock = GPUModelRunner(engine_config(target_model, draft_model), cpu)
     assert stock.speculator == "stock speculator"
     # vLLM's own MRV2 runner module is wrapped once it is imported.
@@ -109,15 +109,15 @@ DRAFT_LAYER = "draft_model.model.layers.0.self_attn.attn"
 
 @pytest.fixture
 def speculator(target_model, draft_model, monkeypatch):
-    """A ``SpecExtendARSpeculator`` on CPU, attached like MRV2's runner does,
+    """A ``SpecExtendStandaloneARSpeculator`` on CPU, attached like MRV2's runner does,
     with vLLM's attention backends replaced (they need the real layers)."""
     from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
 
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, draft_model, spec_extend=STREAMING,
                            max_num_seqs=4, max_model_len=4096)
-    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec = SpecExtendStandaloneARSpeculator(config, torch.device("cpu"))
     spec.draft_attn_layer_names = {DRAFT_LAYER}  # what MRV2's load_model sets
     spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
                           spec.draft_attn_layer_names)
@@ -229,7 +229,7 @@ def propose_through_vllm(spec, monkeypatch, batch, num_rejected, dummy_run=False
 
 def test_propose_hands_the_compacted_view_to_every_draft_build(speculator, monkeypatch):
     """vLLM's own drafting loop reads the compacted view at every build.
-    Mutations that fail it: ``MRV2Retrieval._activate`` not writing the view's
+    Mutations that fail it: ``MRV2Overrides._activate`` not writing the view's
     block table (the draft reads the whole context); ``_build_attn_metadata``
     not refreshing the compacted lengths (the decode steps read step 0's)."""
     # A decode row at 3000 tokens (one draft rejected), a last prompt chunk of
@@ -287,12 +287,12 @@ def test_compact_positions_shift_each_token_by_its_row(target_model, draft_model
     )
 
     from tests.retrieval.test_engine_options import capped_draft
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,
                            max_model_len=4096, max_num_batched_tokens=512,
                            speculative_config=capped_draft(1024)(draft_model))
-    spec = SpecExtendARSpeculator(config, torch.device("cpu"))
+    spec = SpecExtendStandaloneARSpeculator(config, torch.device("cpu"))
     spec.draft_attn_layer_names = {DRAFT_LAYER}
     draft_layer = FakeAttention()
     draft_layer.kv_cache = torch.zeros(1)

@@ -253,10 +253,10 @@ def test_every_forward_of_the_head_reads_the_compacted_view(speculator, fused):
 def test_fused_update_without_the_refresh_would_read_stale_lengths(speculator, monkeypatch):
     """The failure the refresh prevents: vLLM's fused path updates metadata in
     place, so the compacted lengths built at step 1 would stay there."""
-    from vllm_specextend.drafters.mrv2_retrieval import MRV2Retrieval
+    from vllm_specextend.drafters.mrv2_overrides import MRV2Overrides
 
-    monkeypatch.setattr(MRV2Retrieval, "_update_draft_decode_metadata", lambda self, md, n:
-                        super(MRV2Retrieval, self)._update_draft_decode_metadata(md, n))
+    monkeypatch.setattr(MRV2Overrides, "_update_draft_decode_metadata", lambda self, md, n:
+                        super(MRV2Overrides, self)._update_draft_decode_metadata(md, n))
     propose(speculator, input_batch(**LONG_BATCH), NUM_REJECTED)
     step1, step2 = (f["seq_lens"][0].item() for f in speculator.forwards[1:])
     assert step1 == step2  # stale: step 2 reads step 1's length

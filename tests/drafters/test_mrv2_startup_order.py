@@ -5,7 +5,7 @@ a recorder): ``profile_run`` proposes a dummy batch *before*
 runs first), then CUDA graphs are captured, the warm-up proposes a dummy
 batch with attention, and serving starts.
 
-Mutation that fails it: ``MRV2Retrieval.propose`` staging the draft's view
+Mutation that fails it: ``MRV2Overrides.propose`` staging the draft's view
 (``_activate``) on a dummy run before ``set_attn`` (the 00f0e89 code) raises
 ``AssertionError`` at the profile step, for all three speculators.
 """
@@ -114,14 +114,14 @@ def build(method, target_model, draft_model, monkeypatch):
 
     from tests.eagle_heads import build_eagle_head
     from tests.tiny_models import TARGET_LLAMA, TARGET_QWEN2, build_mtp_target
-    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendARSpeculator
+    from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
     from vllm_specextend.drafters.mrv2_eagle import SpecExtendEagleSpeculator
     from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator
 
     extra = dict(max_num_seqs=MAX_REQS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512)
     if method == "draft_model":
         config = engine_config(target_model, draft_model, spec_extend=STREAMING, **extra)
-        cls = SpecExtendARSpeculator
+        cls = SpecExtendStandaloneARSpeculator
     elif method == "mtp":
         config = engine_config(build_mtp_target(TARGET_QWEN2), spec_extend=STREAMING,
                                speculative_config={"method": "mtp",

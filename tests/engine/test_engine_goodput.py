@@ -46,7 +46,7 @@ def _script(worker, k_of_step, draft_prefill: bool) -> None:
     from vllm_specextend.core.goodput import DraftPlan
 
     runner = worker.model_runner
-    controller = runner.drafter.retrieval.control.controller
+    controller = runner.drafter.control.speculation.controller
     # Scripting again replaces the script (it does not wrap it).
     stock_plan = controller.__dict__.setdefault("_stock_plan", controller.plan)
     runner._test["plans"] = 0
@@ -81,7 +81,7 @@ def _forward_log(worker) -> str:
 
 
 def _skip_catch_up(worker) -> None:
-    worker.model_runner.drafter._with_catch_up = lambda kwargs, batch: kwargs
+    worker.model_runner.drafter.control.with_catch_up = lambda kwargs, *args: kwargs
 
 
 def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, target_reference):
@@ -119,7 +119,7 @@ def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, t
 def _skip_stale_blocks(worker) -> None:
     """New requests trust their prefix cache hits' draft KV (as before the
     stale-block registry)."""
-    control = worker.model_runner.drafter.retrieval.control
+    control = worker.model_runner.drafter.control.speculation
     control._first_stale = lambda row, context_len: context_len
 
 
@@ -190,7 +190,7 @@ def test_prompts_skip_the_draft_once_drafting_does_not_pay(target_model, draft_m
 def _simulate_device(worker, step: float, per_token: float, per_draft_forward: float) -> None:
     """The controller's clock as a device with these costs would show it (a
     token the draft catches up costs a quarter of one the target verifies)."""
-    control = worker.model_runner.drafter.retrieval.control
+    control = worker.model_runner.drafter.control.speculation
     state = {"now": 0.0, "forwards": 0, "caught_up": 0}
     stock_plan = control.plan
 
@@ -292,13 +292,13 @@ def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target
 
 
 def _defer_prompts(worker, defer: bool) -> None:
-    worker.model_runner.drafter.retrieval.control.defer_prompts = defer
+    worker.model_runner.drafter.control.speculation.defer_prompts = defer
 
 
 def _forward_paused_steps(worker, forward: bool) -> None:
     """Run the draft's forward on steps where nobody drafts (stock vLLM's
     K=0 steps) instead of skipping it."""
-    worker.model_runner.drafter.retrieval.control.free_pause = not forward
+    worker.model_runner.drafter.control.speculation.free_pause = not forward
 
 
 def _record_drafts(worker) -> None:

@@ -52,7 +52,7 @@ class DeviceHistogram:
 class RetrievalStats:
     """Totals since engine start, and per request while it runs."""
 
-    max_requests: int
+    max_num_reqs: int
     device: torch.device
     refreshes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFRESH_CAUSES, 0))
     """Per-request selections recomputed, by cause (``core.refresh.REFRESH_CAUSES``)."""
@@ -72,7 +72,7 @@ class RetrievalStats:
         # context, kept, draft steps, accepted (acceptance lengths summed).
         self._totals = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._per_slot = torch.zeros(
-            self.max_requests, 4, dtype=torch.int64, device=self.device
+            self.max_num_reqs, 4, dtype=torch.int64, device=self.device
         )
         self.request_kept_fraction = DeviceHistogram(KEPT_FRACTION_BUCKETS, self.device)
         self.request_acceptance_length = DeviceHistogram(

@@ -17,7 +17,7 @@ ADDITIONAL_CONFIG_KEY = "spec_extend"
 RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
 DraftPositions = Literal["auto", "original", "compact"]
-SpeculationControl = Literal["off", "goodput"]
+SpeculationControlMode = Literal["off", "goodput"]
 RetrievalRefresh = Literal["interval", "acceptance"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
@@ -103,7 +103,7 @@ class SpecExtendConfig:
     their own layout. ``False``: lay out in place, in the shared blocks
     (more KV capacity; a request may draft over another's layout)."""
 
-    speculation_control: SpeculationControl = "off"
+    speculation_control: SpeculationControlMode = "off"
     """``goodput``: per step and per request, draft only as many tokens as are
     expected to pay for their time (accepted tokens per second of the whole
     batch, from step costs measured on this engine and each request's own
@@ -116,7 +116,7 @@ class SpecExtendConfig:
         _check_choice("mode", self.mode, RetrievalMode)
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
-        _check_choice("speculation_control", self.speculation_control, SpeculationControl)
+        _check_choice("speculation_control", self.speculation_control, SpeculationControlMode)
         _check_choice("retrieval_refresh", self.retrieval_refresh, RetrievalRefresh)
         if not isinstance(self.private_layouts, bool):
             raise SpecExtendConfigError(
@@ -167,16 +167,20 @@ class SpecExtendConfig:
         return cls(**options)
 
     def resolved_chunk_size(self, block_size: int) -> int:
-        """Chunk size in tokens for a KV cache with ``block_size``."""
+        """Chunk size in tokens for a KV cache with ``block_size``
+        (:meth:`check_chunk_size` refuses one that is not whole blocks)."""
         if self.chunk_size is None:
             return block_size * math.ceil(32 / block_size)
-        if self.chunk_size % block_size:
+        return self.chunk_size
+
+    def check_chunk_size(self, block_size: int) -> None:
+        """Raise unless ``chunk_size`` is a whole number of KV blocks."""
+        if self.chunk_size is not None and self.chunk_size % block_size:
             raise SpecExtendConfigError(
                 f"spec_extend option 'chunk_size'={self.chunk_size} is not a whole "
                 f"number of KV blocks (block_size={block_size}); use a multiple of "
                 f"{block_size}"
             )
-        return self.chunk_size
 
     def resolved_top_k_chunks(self, chunk_size: int) -> int:
         """Chunks to retrieve for chunks of ``chunk_size`` tokens."""
@@ -185,13 +189,15 @@ class SpecExtendConfig:
         return self.top_k_chunks
 
     def uses_compact_positions(self, draft_window: int, target_max_model_len: int) -> bool:
-        """Whether drafting runs at compact positions, ``auto`` resolved.
-
-        Raises:
-            SpecExtendConfigError: ``original`` with a window shorter than the target's.
-        """
+        """Whether drafting runs at compact positions, ``auto`` resolved
+        (:meth:`check_draft_positions` refuses ``original`` where it cannot
+        draft)."""
         if self.draft_positions == "auto":
             return draft_window < target_max_model_len
+        return self.draft_positions == "compact"
+
+    def check_draft_positions(self, draft_window: int, target_max_model_len: int) -> None:
+        """Raise for ``original`` with a window shorter than the target's."""
         if self.draft_positions == "original" and draft_window < target_max_model_len:
             raise SpecExtendConfigError(
                 f"spec_extend option 'draft_positions'='original' cannot draft "
@@ -200,7 +206,6 @@ class SpecExtendConfig:
                 "switch drafting off for the whole batch. Use 'compact' or 'auto', "
                 "or a draft window as long as the target's."
             )
-        return self.draft_positions == "compact"
 
     def working_cache_tokens(self, block_size: int, num_speculative_tokens: int) -> int:
         """Most positions a compacted request drafts at, between two retrievals:

@@ -218,7 +218,7 @@ class RetrievalPlanner:
         self.draft_window = draft_window
         self.compact_positions = compact_positions
         self.device = device
-        self.stats = RetrievalStats(max_requests=max_num_reqs, device=device)
+        self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
         self._requests: dict[str, _RequestState] = {}
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs))
@@ -273,6 +273,7 @@ class RetrievalPlanner:
             private_layouts = None
         self.private_layouts = private_layouts
         self._free_areas = list(range(self.private_layouts.areas)) if self.private_layouts else []
+        self.config.check_chunk_size(block_size)
         self.chunk_size = self.config.resolved_chunk_size(block_size)
         self._allocate_selection_state()
         if self.scoring_workspace is not None:
@@ -300,6 +301,7 @@ class RetrievalPlanner:
         if self.compact_positions and not config.retrieves:
             raise ValueError("compact draft positions need retrieval (cmr or streaming)")
         self.config = config
+        config.check_chunk_size(self.block_size)
         self.chunk_size = config.resolved_chunk_size(self.block_size)
         for req_id in list(self._requests):
             self._forget(req_id, finished=False)

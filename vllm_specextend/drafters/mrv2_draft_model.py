@@ -1,7 +1,7 @@
 """``draft_model`` drafts in Model Runner V2, with the draft attending only to
 target-chosen context: vLLM's ``StandaloneARSpeculator`` (what MRV2's
 ``init_speculator`` returns for ``draft_model``) with the MRV2 retrieval
-overrides (``mrv2_retrieval.py``)."""
+overrides (``mrv2_overrides.py``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
     StandaloneARSpeculator,
 )
 
-from vllm_specextend.drafters.mrv2_retrieval import MRV2Retrieval
+from vllm_specextend.drafters.mrv2_overrides import MRV2Overrides
 
 
-class SpecExtendARSpeculator(MRV2Retrieval, StandaloneARSpeculator):
+class SpecExtendStandaloneARSpeculator(MRV2Overrides, StandaloneARSpeculator):
     """What MRV2 builds instead of ``StandaloneARSpeculator`` when an engine
     has ``spec_extend`` options."""
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
-from vllm_specextend.drafters.mrv2_target_dependent import MRV2TargetDependentRetrieval
+from vllm_specextend.drafters.mrv2_target_dependent import MRV2TargetDependentOverrides
 
 
-class SpecExtendEagleSpeculator(MRV2TargetDependentRetrieval, EagleSpeculator):
+class SpecExtendEagleSpeculator(MRV2TargetDependentOverrides, EagleSpeculator):
     """What MRV2 builds instead of ``EagleSpeculator`` when an engine has
     ``spec_extend`` options."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 
-from vllm_specextend.drafters.mrv2_target_dependent import MRV2TargetDependentRetrieval
+from vllm_specextend.drafters.mrv2_target_dependent import MRV2TargetDependentOverrides
 
 
-class SpecExtendMTPSpeculator(MRV2TargetDependentRetrieval, MTPSpeculator):
+class SpecExtendMTPSpeculator(MRV2TargetDependentOverrides, MTPSpeculator):
     """What MRV2 builds instead of ``MTPSpeculator`` when an engine has
     ``spec_extend`` options."""

@@ -1,6 +1,6 @@
 """Retrieval for Model Runner V2's target-dependent speculators (EAGLE heads,
 MTP layers: vLLM's ``TargetDependentARSpeculator``), on top of the shared MRV2
-overrides (``mrv2_retrieval.py``).
+overrides (``mrv2_overrides.py``).
 
 What differs from a draft model is the first pass and CUDA graphs:
 
@@ -29,10 +29,10 @@ from typing_extensions import override
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from vllm_specextend.drafters.mrv2_retrieval import MRV2Retrieval, Overlay
+from vllm_specextend.drafters.mrv2_overrides import MRV2Overrides, Overlay
 
 
-class MRV2TargetDependentRetrieval(MRV2Retrieval):
+class MRV2TargetDependentOverrides(MRV2Overrides):
     """Mixin for a ``TargetDependentARSpeculator`` subclass: put it first."""
 
     _step_inputs: tuple[Any, Any, Any, Any] | None = None
@@ -88,7 +88,8 @@ class MRV2TargetDependentRetrieval(MRV2Retrieval):
 
     @override
     def _run_model(self, num_tokens: int, *args, **kwargs):
-        # The stock forward reads its positions from ``input_buffers``; the
+        # The stock forward reads its positions from ``input_buffers``
+        # (``target_dependent_ar/speculator.py:376-409``, no parameter); the
         # kernels that advance them keep the original ones.
         if self.retrieval.kv_copy is None:
             return super()._run_model(num_tokens, *args, **kwargs)
@@ -109,7 +110,15 @@ class MRV2TargetDependentRetrieval(MRV2Retrieval):
 
     def _route_graphs_through_retrieval(self) -> None:
         """Step-0 graph replays of compacted steps run eagerly; decode graphs
-        are captured over the compacted buffers."""
+        are captured over the compacted buffers.
+
+        Why rebinding the managers' methods: vLLM builds both managers inside
+        ``init_cudagraph_manager`` (``target_dependent_ar/speculator.py:91-107``,
+        with a graph mode it derives there) and calls ``run_fullgraph`` and
+        ``capture`` from ``propose`` and ``capture`` (``:129``, ``:151``, ``:280``),
+        passing ``self.input_buffers`` / ``self.block_tables`` to the decode
+        capture; no parameter or factory lets a subclass choose the buffers or
+        the replay."""
         prefill, decode = self.prefill_cudagraph_manager, self.decode_cudagraph_manager
         if prefill is not None:
             stock_replay = prefill.run_fullgraph

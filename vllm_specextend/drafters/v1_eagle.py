@@ -1,6 +1,6 @@
 """EAGLE heads (``eagle``, ``eagle3``) in vLLM's V1 model runner, with the
 head attending only to target-chosen context: vLLM's ``EagleProposer`` with
-the V1 retrieval overrides (``v1_retrieval.py``).
+the V1 retrieval overrides (``v1_overrides.py``).
 
 A head's first pass takes the target's hidden states and runs at the
 target's positions over the target's attention metadata; its attention
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_specextend.drafters.v1_retrieval import V1Retrieval
+from vllm_specextend.drafters.v1_overrides import V1Overrides
 
 
-class SpecExtendEagleProposer(V1Retrieval, EagleProposer):
+class SpecExtendEagleProposer(V1Overrides, EagleProposer):
     """What the V1 runner builds instead of ``EagleProposer`` when an engine
     has ``spec_extend`` options."""

@@ -160,9 +160,7 @@ class DraftKVCopy:
                 rotate_keys_into(keys, cos, sin, self.rotary, rotated, rotation_work)
                 # The stock update: this write must not be recorded again.
                 impl = layer.impl
-                type(impl).__mro__[1].do_kv_cache_update(
-                    impl, layer, rotated, values, layer.kv_cache, target
-                )
+                impl.stock_do_kv_cache_update(layer, rotated, values, layer.kv_cache, target)
 
 
 def install_draft_kv_copy(layers: dict[str, torch.nn.Module], copy: DraftKVCopy) -> None:
@@ -183,6 +181,7 @@ def _make_copied_class(base: type) -> type:
         (base,),
         {
             "do_kv_cache_update": do_kv_cache_update,
+            "stock_do_kv_cache_update": base.do_kv_cache_update,
             "__doc__": f"{base.__name__} that also feeds a DraftKVCopy.",
         },
     )

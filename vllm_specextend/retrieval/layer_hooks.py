@@ -104,6 +104,15 @@ def swap_impl_class(
 
     A direct subclass of the impl's class is assigned to ``impl.__class__``
     (a class with a mixin base fails with "object layout differs").
+
+    Why a swap: vLLM builds the impl inside ``Attention.__init__``
+    (``model_executor/layers/attention/attention.py:419-420``,
+    ``impl_cls = self.attn_backend.get_impl_cls(); self.impl = impl_cls(...)``)
+    while the model is constructed, with no hook to choose a class per layer,
+    and only model load tells which layer is tapped; a wrapper object instead
+    would break vLLM's ``isinstance`` checks on the impl. The swap is
+    per-instance and installed by retrieval at KV cache set-up, not a patch
+    of vLLM's classes (``patches.py``).
     """
     base = type(layer.impl)
     if base.__name__.startswith(prefix):

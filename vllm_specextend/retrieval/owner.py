@@ -12,8 +12,8 @@ it at three points of its life:
   KV cache and re-position the working caches whose selection changed.
 
 It also answers the worker (memory outside the KV cache, metrics) and the
-benchmarks (``reconfigure``), and holds the engine's goodput control
-(``speculation_control.py``) when the options ask for it. Adapters only
+benchmarks (``reconfigure``). Goodput control is a feature of its own
+(``control/owner.py``), held beside it by the adapter. Adapters only
 translate their runner's inputs into a :class:`PlanningBatch` and hand the
 view to their attention metadata.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.core.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import (
     DraftView,
@@ -39,19 +38,14 @@ from vllm_specextend.retrieval.draft_kv_copy import (
     install_draft_kv_copy,
     repositioning_capacity,
 )
-from vllm_specextend.retrieval.engine_options import (
-    RetrievalSetup,
-    check_layers_write_kv_through_update,
-    private_layout_blocks,
-)
+from vllm_specextend.retrieval.engine_checks import check_layers_write_kv_through_update
+from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
     tap_bytes_per_token,
     tap_target_layer,
 )
-from vllm_specextend.retrieval.paused_hidden_states import PausedHiddenStates
-from vllm_specextend.retrieval.speculation_control import SpeculationControl
 
 logger = plugin_logger(__name__)
 
@@ -108,11 +102,6 @@ class DraftRetrieval:
         self.kv_copy: DraftKVCopy | None = None
         self.repositioning_workspace: RepositioningWorkspace | None = None
         self.max_num_reqs = max_num_reqs
-        self.paused_hidden: PausedHiddenStates | None = None
-        """An EAGLE head's recent inputs, for its catch-up (goodput control)."""
-        self.control: SpeculationControl | None = None
-        self._resting_control: SpeculationControl | None = None
-        self._set_up_control(setup.config)
 
     @property
     def config(self) -> SpecExtendConfig:
@@ -164,24 +153,6 @@ class DraftRetrieval:
         logger.info("SpecExtend: re-positioning workspace of %.1f MiB (%d tokens per pass)",
                     self.repositioning_workspace.nbytes / 2**20,
                     self.repositioning_workspace.capacity)
-
-    def keep_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
-        """At model load, for a drafter fed the target's hidden states (an
-        EAGLE head) under goodput control: keep the recent ones, so that a
-        pause skips the head's forward too and a later forward catches up."""
-        if not self.config.controls_speculation:
-            return
-        # A request paused longer is caught up from its last positions
-        # (older ones stay holes); its next probe comes sooner than that.
-        capacity = MAX_PROBE_BACKOFF * PROBE_INTERVAL + self.setup.num_speculative_tokens + 1
-        self.paused_hidden = PausedHiddenStates(
-            self.max_num_reqs, capacity, width, dtype, self.device)
-        logger.info(
-            "SpecExtend: goodput control keeps the target's hidden states of the last %d "
-            "positions per request for the head (%.1f MiB)", capacity,
-            self.paused_hidden.states.numel() * self.paused_hidden.states.element_size() / 2**20)
-        self.control = None
-        self._set_up_control(self.config)
 
     def kv_cache_group(self, kv_cache_config) -> int:
         """The one KV cache group that holds the scoring layer and every
@@ -325,39 +296,9 @@ class DraftRetrieval:
         """Swap retrieval options between requests (the benchmarks' sweep and
         configuration switches); mode ``off`` drafts as stock vLLM does."""
         self.planner.reconfigure(config)
-        self._set_up_control(config)
-
-    def _set_up_control(self, config: SpecExtendConfig) -> None:
-        """Goodput control on or off; switched off, it keeps what it learnt
-        about this engine (step costs, acceptance) for when it is back on."""
-        if not config.controls_speculation:
-            self._resting_control = self.control or self._resting_control
-            self.control = None
-            return
-        self.control = self.control or self._resting_control
-        if self.control is None:
-            paused_hidden = self.paused_hidden
-            self.control = SpeculationControl(
-                self.max_num_reqs, self.setup.num_speculative_tokens,
-                # A draft model catches up from token ids; a head also needs
-                # the target's hidden states of the skipped tokens.
-                free_pause=self.setup.method == "draft_model" or paused_hidden is not None,
-                # A draft model's forward also writes the sampled token's KV;
-                # a head's needs the token after it.
-                synced_lead=1 if self.setup.method == "draft_model" else 0,
-                max_catch_up=None if paused_hidden is None else (
-                    paused_hidden.capacity - self.setup.num_speculative_tokens - 1),
-                # A prompt at compact positions is prefilled in chunks the
-                # window allows; a head keeps only recent hidden states.
-                defer_prompts=self.setup.method == "draft_model" and not self.compact_positions,
-                full_graph_query_len=self.setup.full_graph_query_len,
-            )
 
     def metrics_snapshot(self) -> dict[str, object]:
-        snapshot = self.planner.metrics_snapshot()
-        if self.control is not None:
-            snapshot["control"] = self.control.metrics_snapshot()
-        return snapshot
+        return self.planner.metrics_snapshot()
 
 
 def draft_rotary_layout(draft_model: torch.nn.Module) -> RotaryLayout:

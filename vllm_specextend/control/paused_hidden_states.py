@@ -7,7 +7,7 @@ part of its gap), the hidden states the target just computed would be lost;
 this keeps, every step, the last ``capacity`` positions of each request (a
 ring per request slot), so a later forward catches the request up as a draft
 model's does, from token ids and these. Allocated at model load, before vLLM
-measures free memory: ``max_requests x capacity x width`` in the target's
+measures free memory: ``max_num_reqs x capacity x width`` in the target's
 dtype.
 
 Every token of a step is written at its position, rejected drafts
@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.core.catch_up import ring_rows
+from vllm_specextend.control.catch_up import ring_rows
 
 
 class PausedHiddenStates:
 
-    def __init__(self, max_requests: int, capacity: int, width: int, dtype: torch.dtype,
+    def __init__(self, max_num_reqs: int, capacity: int, width: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.capacity = capacity
         self.width = width
-        self.states = torch.zeros(max_requests * capacity, width, dtype=dtype, device=device)
+        self.states = torch.zeros(max_num_reqs * capacity, width, dtype=dtype, device=device)
 
     def record(self, token_slots: torch.Tensor, positions: torch.Tensor,
                hidden_states: torch.Tensor) -> None:

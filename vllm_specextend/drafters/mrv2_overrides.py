@@ -1,7 +1,7 @@
 """Retrieval in Model Runner V2 (vLLM's default GPU runner): the overrides every
 MRV2 speculator shares, over MRV2's shared buffers.
 
-:class:`MRV2Retrieval` is mixed in before the stock speculator class and
+:class:`MRV2Overrides` is mixed in before the stock speculator class and
 changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
@@ -45,7 +45,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, resolve_setup
+from vllm_specextend.drafters.features import DrafterFeatures
+from vllm_specextend.retrieval.engine_options import RetrievalSetup, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -60,7 +61,7 @@ class Overlay:
         return getattr(self._base, name)
 
 
-class MRV2Retrieval:
+class MRV2Overrides(DrafterFeatures):
     """Mixin for an MRV2 speculator subclass: put it first."""
 
     def __init__(
@@ -71,7 +72,7 @@ class MRV2Retrieval:
     ):
         super().__init__(vllm_config, device)
         self.retrieval = DraftRetrieval(
-            setup or resolve_setup(vllm_config),
+            setup or kept_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             # A draft model's step 0 adds a correction token per row.
@@ -104,9 +105,6 @@ class MRV2Retrieval:
             get_layers_from_vllm_config(self.vllm_config, Attention),
             set(self.draft_attn_layer_names),
         )
-
-    def bytes_per_kv_token_outside_cache(self) -> int:
-        return self.retrieval.bytes_per_kv_token_outside_cache()
 
     @override
     def set_attn(
@@ -226,7 +224,13 @@ class MRV2Retrieval:
 
     @contextlib.contextmanager
     def _reading_compacted(self, input_buffers: bool = True) -> Iterator[None]:
-        """Within: ``block_tables`` (and ``input_buffers``) are the compacted overlays."""
+        """Within: ``block_tables`` (and ``input_buffers``) are the compacted overlays.
+
+        Why a swap of the speculator's own attributes: MRV2's metadata builds
+        take no buffers as parameters; they read ``self.block_tables`` and
+        ``self.input_buffers`` (``vllm/v1/worker/gpu/spec_decode/speculator.py:353-398``
+        in ``_build_attn_metadata``, ``target_dependent_ar/speculator.py:541-549``
+        in ``_fused_multi_step_decode``)."""
         stock_buffers, stock_tables = self.input_buffers, self.block_tables
         self.block_tables = self._compacted_block_tables()
         if input_buffers:

@@ -1,15 +1,18 @@
-"""Retrieval in vLLM's V1 model runner: the overrides every V1 drafter shares.
+"""SpecExtend in vLLM's V1 model runner: the overrides every V1 drafter shares.
 
 vLLM's V1 drafters derive from ``SpecDecodeBaseProposer``
-(``v1/spec_decode/llm_base_proposer.py``); :class:`V1Retrieval` is mixed in
-before the stock class and changes only this:
+(``v1/spec_decode/llm_base_proposer.py``); :class:`V1Overrides` is mixed in
+before the stock class, holds a :class:`DraftRetrieval` and, under goodput
+control, a :class:`DraftControl`, and changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
-  attention layer;
+  attention layer (and gives an EAGLE head's control its kept hidden states);
 - ``initialize_attn_backend`` binds it to the KV cache (tap, plain draft KV
   copy);
-- ``propose`` plans, per request, which KV blocks the draft keeps, from the
-  V1 attention metadata;
+- ``propose`` asks control for each request's drafts (none: the draft's
+  forward is skipped), plans, per request, which KV blocks the draft keeps,
+  from the V1 attention metadata, and lets control put the tokens a skipped
+  forward left behind before each request's query;
 - ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
   compacted block table and shortened ``seq_lens``;
 - with compact draft positions, ``_get_positions`` runs each compacted row at
@@ -21,7 +24,6 @@ are exactly the target's.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn as nn
 from typing_extensions import override
@@ -31,52 +33,63 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from vllm_specextend.core.catch_up import catch_up_layout, gap_slot_mapping
+from vllm_specextend.control.owner import DraftControl
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
-from vllm_specextend.core.staging import IndexStager
-from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, resolve_setup
+from vllm_specextend.drafters.features import DrafterFeatures
+from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
-class V1Retrieval:
+class V1Overrides(DrafterFeatures):
     """Mixin for a ``SpecDecodeBaseProposer`` subclass: put it first."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        setup = getattr(runner, SETUP_ATTRIBUTE, None) or resolve_setup(vllm_config)
+        setup = getattr(runner, SETUP_ATTRIBUTE, None) or kept_setup(vllm_config)
         self.runner = runner
-        self.retrieval = DraftRetrieval(
-            setup,
-            max_num_reqs=self.max_batch_size,
-            max_model_len=self.max_model_len,
-            max_num_tokens=self.max_num_tokens,
-            dtype=self.dtype,
-            device=device,
-        )
+        self.retrieval: DraftRetrieval | None = None
+        if setup.config.retrieves:
+            self.retrieval = DraftRetrieval(
+                setup,
+                max_num_reqs=self.max_batch_size,
+                max_model_len=self.max_model_len,
+                max_num_tokens=self.max_num_tokens,
+                dtype=self.dtype,
+                device=device,
+            )
+        self.control: DraftControl | None = None
+        if setup.config.controls_speculation:
+            self.control = DraftControl(
+                method=setup.method,
+                num_speculative_tokens=setup.num_speculative_tokens,
+                # A head fed the target's hidden states (EAGLE's default pathway).
+                keeps_hidden_states=not self.needs_extra_input_slots,
+                compact_positions=setup.compact_positions,
+                steps_in_flight=setup.steps_in_flight,
+                full_graph_query_len=setup.full_graph_query_len,
+                max_num_reqs=self.max_batch_size,
+                max_num_tokens=self.max_num_tokens,
+                device=device,
+            )
         self._draft_view: DraftView | None = None
         # Per flat draft token: compact position = original - shift.
         self._position_shift = torch.zeros(
             self.max_num_tokens, dtype=torch.int64, device=device
         )
-        # Goodput control's host-built indices (kept hidden states, catch-up
-        # layout): eight lists a step, each at most a step's tokens.
-        self._host_staging = IndexStager(
-            max(self.max_num_tokens, self.max_batch_size + 1), device,
-            depth=max(2, self.retrieval.setup.steps_in_flight), lists_per_step=8)
 
     # ---- set-up -----------------------------------------------------------
 
     @override
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)
-        self.retrieval.attach(
-            get_layers_from_vllm_config(self.vllm_config, Attention),
-            self._draft_attn_layer_names,
-        )
-        if not self.needs_extra_input_slots:
-            # A head fed the target's hidden states (EAGLE's default pathway).
-            self.retrieval.keep_paused_hidden_states(self._target_hidden_width(), self.dtype)
+        if self.retrieval is not None:
+            self.retrieval.attach(
+                get_layers_from_vllm_config(self.vllm_config, Attention),
+                self._draft_attn_layer_names,
+            )
+        if self.control is not None and self.control.hidden_capacity:
+            self.control.allocate_paused_hidden_states(self._target_hidden_width(), self.dtype)
 
     def _target_hidden_width(self) -> int:
         """Width of the target hidden states ``propose`` receives: EAGLE-3's
@@ -93,11 +106,9 @@ class V1Retrieval:
         kernel_block_sizes: list[int] | None = None,
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
-        assert self.retrieval.kv_cache_gid == self.kv_cache_gid
-
-    def bytes_per_kv_token_outside_cache(self) -> int:
-        return self.retrieval.bytes_per_kv_token_outside_cache()
+        if self.retrieval is not None:
+            self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
+            assert self.retrieval.kv_cache_gid == self.kv_cache_gid
 
     # ---- the seam into drafting ------------------------------------------
 
@@ -108,98 +119,27 @@ class V1Retrieval:
             token_indices_to_sample=kwargs.get("token_indices_to_sample"),
             target_positions=kwargs["target_positions"],
         )
-        control = self.retrieval.control
-        if control is not None:
+        controlled = self.control is not None and self.control.speculation is not None
+        if controlled:
             block_table = self.runner.input_batch.block_table[self.kv_cache_gid]
-            plan, runs = control.plan(
-                batch.req_ids, batch.context_lens_cpu, batch.query_lens_cpu,
-                batch.prompt_lens_cpu, block_table.get_numpy_array()[: len(batch.req_ids)],
-                self.retrieval.block_size)
-            num_speculative_tokens = min(num_speculative_tokens, plan.draft_steps)
-            self._host_staging.next_step()
-            # Kept every step: a request may catch up later what a forward
-            # that ran left behind it (paused, or probing a part of its gap).
-            self._keep_hidden_states(kwargs, batch)
-            if not runs:
+            draft_steps = self.control.plan(
+                batch, block_table.get_numpy_array()[: len(batch.req_ids)], self.block_size,
+                kwargs.get("target_hidden_states"))
+            if draft_steps is None:
                 # Nobody drafts: no forward, no retrieval (caught up later).
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
-        self._draft_view = self.retrieval.plan(batch)
-        if control is not None and control.free_pause:
-            kwargs = self._with_catch_up(kwargs, batch)
+            num_speculative_tokens = min(num_speculative_tokens, draft_steps)
+        if self.retrieval is not None:
+            self._draft_view = self.retrieval.plan(batch)
+        if controlled:
+            kwargs = self.control.with_catch_up(
+                kwargs, batch, self.runner.input_batch.token_ids_cpu, self.block_size)
         try:
             return super().propose(num_speculative_tokens, **kwargs)
         finally:
             self._draft_view = None
             self._position_shift.zero_()
-
-    def _keep_hidden_states(self, kwargs: dict, batch: PlanningBatch) -> None:
-        """This step's target hidden states, for the head's catch-up."""
-        paused_hidden = self.retrieval.paused_hidden
-        if paused_hidden is None:
-            return
-        token_slots = np.repeat(self.retrieval.control.slots(batch.req_ids), batch.query_lens_cpu)
-        paused_hidden.record(self._host_staging(token_slots), batch.positions,
-                             kwargs["target_hidden_states"])
-
-    def _with_catch_up(self, kwargs: dict, batch: PlanningBatch) -> dict:
-        """The first pass's inputs with, before each request's query, the
-        tokens verified while the draft's forward was skipped (its KV
-        frontier onwards): like a longer prompt chunk, their draft KV is
-        written and the drafts follow the query as usual. A head also gets
-        their kept hidden states and KV slots, and samples from its rows'
-        moved last tokens."""
-        control = self.retrieval.control
-        num_rows = len(batch.req_ids)
-        context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
-        query_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
-        budget = self.max_num_tokens - int(query_lens.sum()) - 2 * num_rows
-        starts = control.catch_up_starts(batch.req_ids, context_lens, budget)
-        if starts is None:
-            return kwargs
-        layout = catch_up_layout(query_lens, starts, context_lens - starts)
-        gap_ids = self.runner.input_batch.token_ids_cpu[layout.gap_rows, layout.gap_positions]
-        # Host-built arrays reach the device through pinned staging only (a
-        # copy from pageable memory would block).
-        stage = self._host_staging
-        order = stage(layout.order)
-        num_tokens = int(query_lens.sum())
-        token_ids = kwargs["target_token_ids"][:num_tokens]
-        positions = kwargs["target_positions"][:num_tokens]
-        gap_positions = stage(layout.gap_positions)
-        kwargs = dict(kwargs)
-        kwargs["target_token_ids"] = torch.cat((
-            token_ids, stage(gap_ids).to(token_ids.dtype)))[order]
-        kwargs["target_positions"] = torch.cat((
-            positions, gap_positions.to(positions.dtype)))[order]
-        new_query_start = layout.query_start_loc
-        cad = kwargs["common_attn_metadata"]
-        # Rows vLLM pads the batch with keep an empty query.
-        padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
-        query_start = np.concatenate((new_query_start, np.full(padding, new_query_start[-1])))
-        slot_mapping = cad.slot_mapping[:num_tokens]
-        gap_slots = gap_slot_mapping(cad.block_table_tensor, stage(layout.gap_rows),
-                                     gap_positions, self.retrieval.block_size)
-        kwargs["common_attn_metadata"] = cad.replace(
-            query_start_loc=stage(query_start).to(cad.query_start_loc.dtype),
-            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
-            num_actual_tokens=int(new_query_start[-1]),
-            max_query_len=int(np.diff(new_query_start).max()),
-            slot_mapping=torch.cat((slot_mapping, gap_slots.to(slot_mapping.dtype)))[order],
-            _num_computed_tokens_cache=None,
-        )
-        if kwargs.get("token_indices_to_sample") is not None:
-            shift = stage(layout.row_shift)
-            indices = kwargs["token_indices_to_sample"].clone()
-            indices[:num_rows] += shift.to(indices.dtype)
-            kwargs["token_indices_to_sample"] = indices
-        paused_hidden = self.retrieval.paused_hidden
-        if paused_hidden is not None:
-            gap_slots_of_requests = stage(control.slots(batch.req_ids)[layout.gap_rows])
-            hidden = kwargs["target_hidden_states"][:num_tokens]
-            gap_hidden = paused_hidden.gather(gap_slots_of_requests, gap_positions)
-            kwargs["target_hidden_states"] = torch.cat((hidden, gap_hidden))[order]
-        return kwargs
 
     def planning_batch(
         self,
@@ -234,7 +174,7 @@ class V1Retrieval:
     @override
     def _get_positions(self, num_tokens: int) -> torch.Tensor:
         positions = super()._get_positions(num_tokens)
-        kv_copy = self.retrieval.kv_copy
+        kv_copy = None if self.retrieval is None else self.retrieval.kv_copy
         if kv_copy is None:
             return positions
         # The positions the draft runs at, read by the KV copy's tap too.

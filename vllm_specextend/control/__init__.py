@@ -1,0 +1,14 @@
+"""Goodput control inside a vLLM worker, a feature beside retrieval: per step
+and per request, how many drafts pay for their time, whether the draft's
+forward runs at all, and what a skipped forward leaves to catch up.
+
+- ``owner.py``: :class:`~vllm_specextend.control.owner.DraftControl`, the one
+  object a drafter adapter holds for it (next to its ``DraftRetrieval``);
+- ``catch_up.py``: where the tokens a draft catches up go in its first pass
+  (pure numpy / torch);
+- ``paused_hidden_states.py``: an EAGLE head's kept target hidden states.
+
+The controller itself (cost model, acceptance estimates, the K choice,
+probing: ``core/goodput.py``) and the draft-KV frontier
+(``retrieval/speculation_control.py``) join this package later.
+"""

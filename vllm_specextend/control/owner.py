@@ -1,0 +1,211 @@
+"""The one object that owns goodput control for a drafter.
+
+A drafter adapter (``drafters/``) holds a :class:`DraftControl` beside its
+``DraftRetrieval`` (either may be absent) and calls it at three points:
+
+- construction: the engine's :class:`SpeculationControl`, built once with
+  what the drafter can catch up (a draft model from token ids, an EAGLE head
+  also from the target's hidden states kept for it);
+- model load (:meth:`~DraftControl.allocate_paused_hidden_states`): a head's
+  ring of the target's recent hidden states, before vLLM measures memory;
+- every proposal: :meth:`~DraftControl.plan` (each request's drafts, and
+  whether the draft's forward runs at all), then
+  :meth:`~DraftControl.with_catch_up` (the first pass's inputs with the
+  tokens verified while the draft's forward was skipped).
+
+Control never calls back into the adapter: the adapter hands it the
+runner's host state it needs (block table, token ids) as arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
+from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
+from vllm_specextend.core.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
+from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.planner import PlanningBatch
+from vllm_specextend.core.staging import IndexStager
+from vllm_specextend.log import plugin_logger
+from vllm_specextend.retrieval.speculation_control import SpeculationControl
+
+logger = plugin_logger(__name__)
+
+
+class DraftControl:
+    """Goodput control of one drafter: the engine's :class:`SpeculationControl`,
+    an EAGLE head's kept hidden states, and the host staging of both."""
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        num_speculative_tokens: int,
+        keeps_hidden_states: bool,
+        compact_positions: bool,
+        steps_in_flight: int,
+        full_graph_query_len: int | None,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        device: torch.device,
+    ) -> None:
+        """Args:
+            method: vLLM's speculative method.
+            keeps_hidden_states: the drafter is fed the target's hidden
+                states (an EAGLE head): a pause keeps them for its catch-up.
+        """
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.device = device
+        # A request paused longer is caught up from its last positions
+        # (older ones stay holes); its next probe comes sooner than that.
+        self.hidden_capacity = (
+            MAX_PROBE_BACKOFF * PROBE_INTERVAL + num_speculative_tokens + 1
+            if keeps_hidden_states else 0)
+        self.paused_hidden: PausedHiddenStates | None = None
+        """An EAGLE head's recent inputs, for its catch-up (model load)."""
+        is_draft_model = method == "draft_model"
+        self.speculation: SpeculationControl | None = SpeculationControl(
+            max_num_reqs, num_speculative_tokens,
+            # A draft model catches up from token ids; a head also needs
+            # the target's hidden states of the skipped tokens.
+            free_pause=is_draft_model or keeps_hidden_states,
+            # A draft model's forward also writes the sampled token's KV;
+            # a head's needs the token after it.
+            synced_lead=1 if is_draft_model else 0,
+            max_catch_up=(self.hidden_capacity - num_speculative_tokens - 1
+                          if keeps_hidden_states else None),
+            # A prompt at compact positions is prefilled in chunks the
+            # window allows; a head keeps only recent hidden states.
+            defer_prompts=is_draft_model and not compact_positions,
+            full_graph_query_len=full_graph_query_len,
+        )
+        """The engine's controller; None while switched off (``reconfigure``)."""
+        self._resting: SpeculationControl | None = None
+        # Host-built indices (kept hidden states, catch-up layout): eight
+        # lists a step, each at most a step's tokens.
+        self._host_staging = IndexStager(
+            max(max_num_tokens, max_num_reqs + 1), device,
+            depth=max(2, steps_in_flight), lists_per_step=8)
+
+    def allocate_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
+        """At model load, for a drafter fed the target's hidden states (an
+        EAGLE head): keep the recent ones, so that a pause skips the head's
+        forward too and a later forward catches up."""
+        assert self.hidden_capacity, "built for a drafter that keeps no hidden states"
+        self.paused_hidden = PausedHiddenStates(
+            self.max_num_reqs, self.hidden_capacity, width, dtype, self.device)
+        logger.info(
+            "SpecExtend: goodput control keeps the target's hidden states of the last %d "
+            "positions per request for the head (%.1f MiB)", self.hidden_capacity,
+            self.paused_hidden.states.numel() * self.paused_hidden.states.element_size() / 2**20)
+
+    # ---- per step ---------------------------------------------------------
+
+    def plan(self, batch: PlanningBatch, block_table: np.ndarray, block_size: int,
+             target_hidden_states: torch.Tensor | None) -> int | None:
+        """This step's plan: the most drafts a request keeps, or None when
+        nobody drafts (no forward, no retrieval: caught up later).
+        ``block_table``: the runner's host block table of the step's rows."""
+        assert self.speculation is not None
+        plan, runs = self.speculation.plan(
+            batch.req_ids, batch.context_lens_cpu, batch.query_lens_cpu,
+            batch.prompt_lens_cpu, block_table, block_size)
+        self._host_staging.next_step()
+        # Kept every step: a request may catch up later what a forward that
+        # ran left behind it (paused, or probing a part of its gap).
+        if self.paused_hidden is not None:
+            token_slots = np.repeat(self.speculation.slots(batch.req_ids), batch.query_lens_cpu)
+            self.paused_hidden.record(self._host_staging(token_slots), batch.positions,
+                                      target_hidden_states)
+        return plan.draft_steps if runs else None
+
+    def with_catch_up(self, kwargs: dict, batch: PlanningBatch, token_ids_cpu: np.ndarray,
+                      block_size: int) -> dict:
+        """The V1 first pass's inputs (``propose``'s ``kwargs``) with, before
+        each request's query, the tokens verified while the draft's forward
+        was skipped (its KV frontier onwards; ids read from the runner's
+        ``token_ids_cpu``): like a longer prompt chunk, their draft KV is
+        written and the drafts follow the query as usual. A head also gets
+        their kept hidden states and KV slots, and samples from its rows'
+        moved last tokens. Unchanged without free pauses or gaps."""
+        control = self.speculation
+        assert control is not None
+        if not control.free_pause:
+            return kwargs
+        num_rows = len(batch.req_ids)
+        context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
+        query_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
+        num_tokens = int(query_lens.sum())
+        budget = self.max_num_tokens - num_tokens - 2 * num_rows
+        starts = control.catch_up_starts(batch.req_ids, context_lens, budget)
+        if starts is None:
+            return kwargs
+        layout = catch_up_layout(query_lens, starts, context_lens - starts)
+        # Host-built arrays reach the device through pinned staging only (a
+        # copy from pageable memory would block).
+        stage = self._host_staging
+        order = stage(layout.order)
+        gap_positions = stage(layout.gap_positions)
+        gap_ids = token_ids_cpu[layout.gap_rows, layout.gap_positions]
+        kwargs = dict(kwargs)
+        for key, gap_values in (("target_token_ids", stage(gap_ids)),
+                                ("target_positions", gap_positions)):
+            tokens = kwargs[key][:num_tokens]
+            kwargs[key] = torch.cat((tokens, gap_values.to(tokens.dtype)))[order]
+        kwargs["common_attn_metadata"] = self._catch_up_metadata(
+            kwargs["common_attn_metadata"], layout, order, gap_positions, num_rows, num_tokens,
+            block_size)
+        if kwargs.get("token_indices_to_sample") is not None:
+            shift = stage(layout.row_shift)
+            indices = kwargs["token_indices_to_sample"].clone()
+            indices[:num_rows] += shift.to(indices.dtype)
+            kwargs["token_indices_to_sample"] = indices
+        if self.paused_hidden is not None:
+            gap_slots_of_requests = stage(control.slots(batch.req_ids)[layout.gap_rows])
+            hidden = kwargs["target_hidden_states"][:num_tokens]
+            gap_hidden = self.paused_hidden.gather(gap_slots_of_requests, gap_positions)
+            kwargs["target_hidden_states"] = torch.cat((hidden, gap_hidden))[order]
+        return kwargs
+
+    def _catch_up_metadata(self, cad, layout, order: torch.Tensor, gap_positions: torch.Tensor,
+                           num_rows: int, num_tokens: int, block_size: int):
+        """The V1 attention metadata of the first pass with the gaps inserted."""
+        stage = self._host_staging
+        new_query_start = layout.query_start_loc
+        # Rows vLLM pads the batch with keep an empty query.
+        padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
+        query_start = np.concatenate((new_query_start, np.full(padding, new_query_start[-1])))
+        slot_mapping = cad.slot_mapping[:num_tokens]
+        gap_slots = gap_slot_mapping(cad.block_table_tensor, stage(layout.gap_rows),
+                                     gap_positions, block_size)
+        return cad.replace(
+            query_start_loc=stage(query_start).to(cad.query_start_loc.dtype),
+            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
+            num_actual_tokens=int(new_query_start[-1]),
+            max_query_len=int(np.diff(new_query_start).max()),
+            slot_mapping=torch.cat((slot_mapping, gap_slots.to(slot_mapping.dtype)))[order],
+            _num_computed_tokens_cache=None,
+        )
+
+    # ---- the runner, the worker and the benchmarks ------------------------
+
+    @property
+    def draft_lengths(self) -> dict[str, int] | None:
+        """Drafts each request of the last plan keeps (None: switched off)."""
+        return None if self.speculation is None else self.speculation.draft_lengths
+
+    def reconfigure(self, config: SpecExtendConfig) -> None:
+        """Goodput control on or off between requests (the benchmarks'
+        configuration switches); switched off, it keeps what it learnt about
+        this engine (step costs, acceptance) for when it is back on."""
+        if config.controls_speculation:
+            self.speculation = self.speculation or self._resting
+        else:
+            self._resting = self.speculation or self._resting
+            self.speculation = None
+
+    def metrics_snapshot(self) -> dict[str, object] | None:
+        return None if self.speculation is None else self.speculation.metrics_snapshot()

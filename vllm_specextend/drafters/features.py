@@ -1,0 +1,44 @@
+"""What every adapter holds, whatever runner hosts it: an optional retrieval
+(built when ``mode`` is not ``off``) and an optional goodput control, side by
+side. Neither reaches through the other; the adapter's ``propose`` calls each
+in turn."""
+
+from __future__ import annotations
+
+from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.core.options import SpecExtendConfig, SpecExtendConfigError
+from vllm_specextend.retrieval.owner import DraftRetrieval
+
+
+class DrafterFeatures:
+    """The worker's and the benchmarks' view of an adapter's two features."""
+
+    retrieval: DraftRetrieval | None = None
+    """Retrieval (``mode`` other than ``off``); always there in MRV2, where
+    goodput control does not run."""
+    control: DraftControl | None = None
+    """Goodput control (``speculation_control``); V1 runner only."""
+
+    def reconfigure(self, config: SpecExtendConfig) -> None:
+        """Switch options between requests (the benchmarks); mode ``off``
+        drafts as stock vLLM does. Goodput control switches only in an
+        engine built with it."""
+        for wanted, held, option in ((config.controls_speculation, self.control,
+                                      "speculation_control='goodput'"),
+                                     (config.retrieves, self.retrieval, f"mode={config.mode!r}")):
+            if wanted and held is None:
+                raise SpecExtendConfigError(
+                    f"spec_extend option {option} needs an engine built with it; build "
+                    "the engine with it instead")
+        if self.retrieval is not None:
+            self.retrieval.reconfigure(config)
+        if self.control is not None:
+            self.control.reconfigure(config)
+
+    def metrics_snapshot(self) -> dict[str, object]:
+        """Retrieval's figures and, under goodput control, the controller's."""
+        snapshot = {} if self.retrieval is None else self.retrieval.metrics_snapshot()
+        control = None if self.control is None else self.control.metrics_snapshot()
+        if control is not None:
+            snapshot["control"] = control
+        return snapshot
