@@ -26,7 +26,7 @@ import pickle
 
 import numpy as np
 
-from vllm_specextend.retrieval.speculation_control import SpeculationControl
+from vllm_specextend.control.speculation_control import SpeculationControl
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 64

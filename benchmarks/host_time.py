@@ -5,8 +5,8 @@ What runs on the host every step besides vLLM's own Python:
 - the planner's Python (``core/planner.py``): request bookkeeping (dropping
   the requests that left), row classification, index staging and the
   bookkeeping of the rows that retrieved;
-- goodput control's (``retrieval/speculation_control.py``): its ``plan``
-  (frontiers, the controller's ``plan`` in ``core/goodput.py`` with its cost
+- goodput control's (``control/speculation_control.py``): its ``plan``
+  (frontiers, the controller's ``plan`` in ``control/goodput.py`` with its cost
   and acceptance observations) and ``catch_up_starts``.
 
 Device work is excluded: the planner runs on the ``meta`` device (tensor ops
@@ -44,7 +44,7 @@ from benchmarks.report import RESULTS_DIR, pyplot, save_figure
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
 from vllm_specextend.core.target_tap import TargetAttentionTap
-from vllm_specextend.retrieval.speculation_control import SpeculationControl
+from vllm_specextend.control.speculation_control import SpeculationControl
 
 META = torch.device("meta")
 BLOCK_SIZE = 16
@@ -62,7 +62,7 @@ PLANNER_PARTS = {
     "_note_retrievals": "planner: retrieval bookkeeping",
 }
 CONTROL_PARTS = {
-    "controller_plan": "goodput: controller plan (core/goodput.py)",
+    "controller_plan": "goodput: controller plan (control/goodput.py)",
     "control_plan_rest": "goodput: frontiers and blocks (speculation_control.py plan)",
     "catch_up_starts": "goodput: catch_up_starts",
 }
@@ -274,7 +274,7 @@ def goodput_breakdown(args) -> dict:
     one by one, each exclusive of the others (``controller_plan``: its own
     lines, per-request loops and list comprehensions among them;
     ``control_plan``: ``SpeculationControl.plan``'s own lines)."""
-    from vllm_specextend.core import goodput
+    from vllm_specextend.control import goodput
 
     control = SpeculationControl(args.batch, args.k, free_pause=True, synced_lead=1,
                                  defer_prompts=True)

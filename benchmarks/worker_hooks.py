@@ -89,7 +89,7 @@ class PausedController:
     def plan(self, req_ids, *args, **kwargs):
         import numpy as np
 
-        from vllm_specextend.core.goodput import DraftPlan
+        from vllm_specextend.control.goodput import DraftPlan
 
         nothing = np.zeros(len(req_ids), dtype=np.int64)
         return DraftPlan(nothing, 0, 0.0, nothing)

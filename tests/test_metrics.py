@@ -101,7 +101,7 @@ def test_figures_start_afresh_with_each_engine():
 def test_goodput_control_figures_per_request_and_in_prometheus():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from vllm_specextend.retrieval.speculation_control import SpeculationControl
+    from vllm_specextend.control.speculation_control import SpeculationControl
 
     control = SpeculationControl(max_requests=4, num_speculative_tokens=2, free_pause=True)
     prompt = np.array([100, 100])

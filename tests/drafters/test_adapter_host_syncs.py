@@ -18,7 +18,7 @@ import torch
 
 from tests.core.test_host_syncs import ALLOWED
 from tests.host_sync_check import HostSyncCheck
-from vllm_specextend.core.goodput import DraftPlan
+from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.drafters.v1_overrides import V1Overrides
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, RetrievalSetup

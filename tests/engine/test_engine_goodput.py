@@ -43,7 +43,7 @@ def _script_plans(worker, pause_from: int, pause_to: int) -> None:
 def _script(worker, k_of_step, draft_prefill: bool) -> None:
     """Every plan: each request drafts ``k_of_step(plan number)``, and
     prompts go through the draft iff ``draft_prefill``."""
-    from vllm_specextend.core.goodput import DraftPlan
+    from vllm_specextend.control.goodput import DraftPlan
 
     runner = worker.model_runner
     controller = runner.drafter.control.speculation.controller

@@ -6,9 +6,9 @@ forward runs at all, and what a skipped forward leaves to catch up.
   object a drafter adapter holds for it (next to its ``DraftRetrieval``);
 - ``catch_up.py``: where the tokens a draft catches up go in its first pass
   (pure numpy / torch);
-- ``paused_hidden_states.py``: an EAGLE head's kept target hidden states.
-
-The controller itself (cost model, acceptance estimates, the K choice,
-probing: ``core/goodput.py``) and the draft-KV frontier
-(``retrieval/speculation_control.py``) join this package later.
+- ``paused_hidden_states.py``: an EAGLE head's kept target hidden states;
+- ``goodput.py``: the controller (step-cost model, acceptance estimates, the
+  choice of each request's number of drafts, probing; pure numpy);
+- ``speculation_control.py``: the engine's controller with each request's
+  draft-KV frontier (what a resumed request must catch up).
 """

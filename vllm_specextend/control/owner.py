@@ -24,12 +24,12 @@ import torch
 
 from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
-from vllm_specextend.core.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
+from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.log import plugin_logger
-from vllm_specextend.retrieval.speculation_control import SpeculationControl
+from vllm_specextend.control.speculation_control import SpeculationControl
 
 logger = plugin_logger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specextend.core.goodput import DraftPlan, GoodputController, StepOutcome
+from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Draft KV frontiers under goodput control (``retrieval/speculation_control.py``):
+"""Draft KV frontiers under goodput control (``control/speculation_control.py``):
 what each forward catches up when the plan limits it."""
 
 import numpy as np
 
-from vllm_specextend.core.goodput import UNLIMITED, DraftPlan
-from vllm_specextend.retrieval.speculation_control import SpeculationControl
+from vllm_specextend.control.goodput import UNLIMITED, DraftPlan
+from vllm_specextend.control.speculation_control import SpeculationControl
 
 K = 3
 BUDGET = 10_000  # the drafter's token budget: never binding here

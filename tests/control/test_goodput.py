@@ -1,10 +1,10 @@
-"""The goodput controller (``core/goodput.py``) against simulated engines."""
+"""The goodput controller (``control/goodput.py``) against simulated engines."""
 
 import numpy as np
 import pytest
 import torch
 
-from vllm_specextend.core.goodput import (
+from vllm_specextend.control.goodput import (
     AcceptanceEstimates,
     ControlParameters,
     GoodputController,

@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.core.test_goodput import K, SimulatedEngine
-from vllm_specextend.core.goodput import (
+from tests.control.test_goodput import K, SimulatedEngine
+from vllm_specextend.control.goodput import (
     ControlParameters,
     GoodputController,
     StepCostModel,
@@ -118,7 +118,7 @@ SURVIVAL = np.cumprod(np.array([[0.95, 0.9, 0.9], [0.0, 0.0, 0.0], [0.9, 0.5, 0.
 
 def test_a_costly_piecewise_step_makes_every_row_draft_k():
     drafting = np.ones(3, bool)
-    # Free to leave the graphs: as without them (tests/core/test_goodput.py).
+    # Free to leave the graphs: as without them (tests/control/test_goodput.py).
     free = choose_draft_lengths(SURVIVAL, drafting, graph_costs(0.0), 3, uniform_draft_length=K)
     assert free.draft_lengths.tolist() == [3, 0, 1]
     # Leaving them costs more than the extra drafts' verification: all K.
