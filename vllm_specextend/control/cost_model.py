@@ -1,0 +1,120 @@
+"""The step-cost model: seconds per engine step, learnt online on this engine.
+
+A linear function of what the step verifies and drafts (:func:`cost_features`),
+fitted by exponentially weighted ridge regression (:class:`StepCostModel`).
+Pure numpy on the host; independent of vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:
+    """What one engine step costs, linearly: a base (the batch's target
+    forward, which grows with its context and requests; the exponential
+    forgetting tracks it), each token verified beyond it, each token the
+    draft catches up after a pause, and the draft phase as one cost per
+    number of draft steps ``D`` (one-hot). A table rather
+    than a cost per forward: on CPUs the target's step is not linear in its
+    tokens at small batch (measured on the Qwen pair, bf16: verifying 2
+    tokens cost 0.154 s, 3 tokens 0.113 s, 1 token 0.121 s), and at batch 1
+    the tokens and ``D`` move together, so only a cost per ``D`` can tell
+    which ``D`` pays.
+
+    With ``piecewise_step`` (the target runs FULL CUDA graphs): one more, a
+    step whose target forward left them. Under vLLM's FULL decode graphs a
+    batch is a graph's only when every request verifies ``1 + K`` tokens
+    (``GPUModelRunner._is_uniform_decode``); a step with fewer drafts for
+    some request, or none, runs PIECEWISE."""
+    return ("step", "verified_tokens", "catch_up_tokens") + tuple(
+        f"draft_steps_{d}" for d in range(1, max_draft_steps + 1)) + (
+        ("piecewise_step",) if piecewise_step else ())
+
+
+NUM_LINEAR_FEATURES = 3
+"""The features before the one-hot draft steps (clipped at zero when fitted)."""
+
+
+def step_features(verified_tokens: int, draft_steps: int, max_draft_steps: int,
+                  catch_up_tokens: int = 0, piecewise: bool | None = None) -> np.ndarray:
+    """The cost features of one step (see :func:`cost_features`); ``piecewise``
+    only for a model with the ``piecewise_step`` feature (None: without)."""
+    features = np.zeros(NUM_LINEAR_FEATURES + max_draft_steps + (piecewise is not None),
+                        dtype=np.float64)
+    features[:NUM_LINEAR_FEATURES] = 1.0, verified_tokens, catch_up_tokens
+    if draft_steps:
+        features[NUM_LINEAR_FEATURES - 1 + min(draft_steps, max_draft_steps)] = 1.0
+    if piecewise is not None:
+        features[-1] = float(piecewise)
+    return features
+
+
+class StepCostModel:
+    """Seconds per engine step, ``features . weights``, learnt online.
+
+    Exponentially weighted ridge regression (recent steps count more; the
+    ridge term keeps unidentified weights at zero until the data tells them
+    apart: a number of draft steps never seen costs nothing beyond its
+    tokens, so the controller tries it when acceptance says it would pay, and
+    learns). The base and the per-token costs are clipped at zero; the cost of
+    ``D`` draft steps is not, since it corrects the per-token cost at small
+    batch, where the two move together (a 3-token step can cost less than a
+    2-token one).
+    """
+
+    def __init__(self, max_draft_steps: int, forgetting: float = 0.98,
+                 ridge: float = 1e-6, piecewise_step: bool = False) -> None:
+        self.max_draft_steps = max_draft_steps
+        self.piecewise_step = piecewise_step
+        """Whether steps that leave FULL CUDA graphs carry a cost of their own."""
+        num = len(cost_features(max_draft_steps, piecewise_step))
+        self.forgetting = forgetting
+        self.ridge = ridge
+        self._gram = np.zeros((num, num))
+        self._moment = np.zeros(num)
+        self.weights = np.zeros(num)
+        self.observations = 0
+        self.seen = np.zeros(num, dtype=bool)
+        """Features some observed step had."""
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        self._gram = self.forgetting * self._gram + np.outer(features, features)
+        self._moment = self.forgetting * self._moment + features * seconds
+        self.observations += 1
+        self.seen |= features != 0
+        # Scale the ridge with the data so it stays a tie-breaker. It pulls
+        # towards the current weights: a cost the recent steps no longer show
+        # (a number of draft steps not run for hundreds of paused steps) keeps
+        # what was learnt, instead of decaying to free.
+        ridge = self.ridge * max(float(np.trace(self._gram)), 1.0)
+        regularised = self._gram + ridge * np.eye(len(features))
+        weights = np.linalg.solve(regularised, self._moment + ridge * self.weights)
+        weights[:NUM_LINEAR_FEATURES] = np.maximum(weights[:NUM_LINEAR_FEATURES], 0.0)
+        if self.piecewise_step:
+            weights[-1] = max(weights[-1], 0.0)
+        self.weights = weights
+
+    def knows(self, features: np.ndarray) -> bool:
+        """Whether recent steps showed every feature ``features`` has (about
+        one step's weight at least since forgetting)."""
+        return bool((np.diag(self._gram)[features != 0] >= 1.0).all())
+
+    def predict(self, features: np.ndarray) -> np.ndarray | float:
+        return features @ self.weights
+
+    def draft_steps_seen(self) -> np.ndarray:
+        """``[K + 1]`` bool: the numbers of draft steps some observed step
+        ran (0: always)."""
+        return np.concatenate(([True], self.seen[NUM_LINEAR_FEATURES:][:self.max_draft_steps]))
+
+    @property
+    def piecewise_cost(self) -> float:
+        """Seconds a step pays for leaving the FULL CUDA graphs (0 without them)."""
+        return float(self.weights[-1]) if self.piecewise_step else 0.0
+
+    def features(self, verified_tokens: int, draft_steps: int, catch_up_tokens: int = 0,
+                 piecewise: bool = False) -> np.ndarray:
+        """:func:`step_features` in this model's layout."""
+        return step_features(verified_tokens, draft_steps, self.max_draft_steps,
+                             catch_up_tokens, piecewise if self.piecewise_step else None)
