@@ -76,6 +76,9 @@ def choose_draft_lengths(
     Every number of draft steps ``D`` is solved at once (one array axis per
     ``D``); each keeps its own Dinkelbach iterate and stops when it
     converges, as a loop over ``D`` would.
+
+    (Long for its arguments' documentation: the body is one pass, solve
+    every ``D`` and keep the best plan.)
     """
     rows, max_k = survival.shape
     must = None if must_draft is None or not must_draft.any() else must_draft

@@ -130,7 +130,8 @@ class GoodputController(ForcedDrafts):
     ) -> None:
         """``full_graph_query_len``: the query length of every request in a
         decode step that runs in the target's FULL CUDA graphs (``1 + K``
-        under vLLM's FULL decode graphs); None: no FULL graphs."""
+        under vLLM's FULL decode graphs); None: no FULL graphs. (Long for
+        the docstrings of the per-slot fields: it only assigns.)"""
         self.num_speculative_tokens = num_speculative_tokens
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
@@ -228,7 +229,9 @@ class GoodputController(ForcedDrafts):
         behind; ``whole_catch_up``: requests whose forced drafts must catch
         up all of their gap, as one whose prompt the draft lacks: with holes
         there a probe would not measure the draft), observing the step just
-        verified first."""
+        verified first. (Long as one step's sequence in order, each part a
+        method: split further, its dozen per-row arrays would pass through
+        every call.)"""
         p = self.parameters
         slots = self.admit(req_ids)
         num_requests = len(req_ids)
