@@ -11,6 +11,12 @@ One step, in :meth:`RetrievalPlanner.plan`: classify the rows on the host
 (:meth:`~RetrievalPlanner._classify_rows`), stage their indices, score the
 context for cmr, retrieve for the rows that are due, lay out windowed
 prefills (compact positions), rewrite the block table, and record.
+
+The data types live in ``core/draft_view.py``, the per-request state and the
+row classification in ``core/request_rows.py`` (:class:`RequestRows`), the
+windowed prefill layouts and private-layout swaps in
+``core/compact_layout.py`` (:class:`CompactLayout`); both classes are bases
+of :class:`RetrievalPlanner`. This module re-exports the data types.
 """
 
 from __future__ import annotations
