@@ -11,21 +11,35 @@ One step, in :meth:`RetrievalPlanner.plan`: classify the rows on the host
 (:meth:`~RetrievalPlanner._classify_rows`), stage their indices, score the
 context for cmr, retrieve for the rows that are due, lay out windowed
 prefills (compact positions), rewrite the block table, and record.
+
+The data types live in ``core/draft_view.py``, the per-request state and the
+row classification in ``core/request_rows.py`` (:class:`RequestRows`), the
+windowed prefill layouts and private-layout swaps in
+``core/compact_layout.py`` (:class:`CompactLayout`); both classes are bases
+of :class:`RetrievalPlanner`. This module re-exports the data types.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from vllm_specextend.core.compact_layout import CompactLayout
 from vllm_specextend.core.counters import RetrievalStats
+from vllm_specextend.core.draft_view import (
+    DraftView,
+    PlanningBatch,
+    PrivateLayouts,
+    WorkingCacheRewrite,
+)
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
-from vllm_specextend.core.repositioning import streaming_recent_start_block
+from vllm_specextend.core.request_rows import (
+    RequestRows,
+    StepRows,
+    decode_rows,
+)
 from vllm_specextend.core.scoring import (
     ScoringWorkspace,
     chunk_attention_sums,
@@ -35,148 +49,15 @@ from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
 
-
-@dataclass
-class PlanningBatch:
-    """One verification step of the target, as the planner needs it.
-
-    Device tensors are indexed by batch row; CPU arrays hold what the runner
-    already knows on the host (no device reads).
-    """
-
-    req_ids: list[str]
-    query_start_loc: torch.Tensor
-    """``[num_reqs + 1]``, device: flat start of each row's query."""
-    seq_lens: torch.Tensor
-    """``[num_rows]``, device: context length including this step's query;
-    rows past ``num_reqs`` are the runner's padding."""
-    block_table: torch.Tensor
-    """``[num_rows, max_blocks]``, device: the shared (target and draft) block table."""
-    last_token_indices: torch.Tensor
-    """``[num_reqs]``, device: flat index of each row's last accepted token."""
-    positions: torch.Tensor
-    """``[num_tokens]``, device: the target's positions of the flat tokens."""
-    query_lens_cpu: np.ndarray
-    """``[num_reqs]``: tokens scheduled for each row in this step."""
-    context_lens_cpu: np.ndarray
-    """``[num_reqs]``: tokens before each row's query (an upper bound is fine)."""
-    prompt_lens_cpu: np.ndarray
-    """``[num_reqs]``: prompt length of each request."""
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-
-@dataclass
-class WorkingCacheRewrite:
-    """Rows whose kept context moved and must be laid out at positions 0, 1, ..."""
-
-    rows: torch.Tensor
-    max_context_len: int
-
-
-@dataclass
-class DraftView:
-    """What the draft's attention sees during one proposal."""
-
-    block_table: torch.Tensor
-    removed_tokens: torch.Tensor
-    kept_context_lens: torch.Tensor
-    """``[num_reqs]``: context before the query that the draft still sees."""
-    rewrites: list[WorkingCacheRewrite]
-    """Compact positions only: working caches to re-position before drafting."""
-    kept_block_table: torch.Tensor | None = None
-    """With private layouts: ``block_table`` before its leading context blocks
-    were swapped for the request's private blocks (where the re-positioned
-    KV is read from); None: the same as ``block_table``."""
-
-
-def decode_rows(
-    query_lens: np.ndarray,
-    context_lens: np.ndarray,
-    prompt_lens: np.ndarray,
-    max_num_speculative_tokens: int,
-) -> np.ndarray:
-    """Rows that verify drafts (or decode) rather than prefill.
-
-    A row decodes when its prompt is already in the KV cache and its query
-    holds at most one token plus ``max_num_speculative_tokens`` drafts. The
-    prompt test keeps a last prefill chunk of K + 1 tokens or fewer a prefill;
-    the bound on the configured K keeps steps with a reduced or dynamic K
-    decodes; longer queries after the prompt (a preempted request recomputing
-    its output) stay prefills.
-    """
-    return (np.asarray(context_lens) >= np.asarray(prompt_lens)) & (
-        np.asarray(query_lens) <= max_num_speculative_tokens + 1
-    )
-
-
-@dataclass(frozen=True)
-class PrivateLayouts:
-    """Blocks kept out of the scheduler's pool: ``areas`` areas of
-    ``blocks_per_area`` blocks from ``first_block`` on, one per request that
-    has one, holding its re-positioned working cache."""
-
-    first_block: int
-    areas: int
-    blocks_per_area: int
-
-
-_NO_REFRESH = -1
-_FIRST, _INTERVAL, _ACCEPTANCE = (REFRESH_CAUSES.index(c)
-                                  for c in ("first", "interval", "acceptance"))
-
-
-@dataclass
-class _RequestState:
-    slot: int
-    refresh_counts: np.ndarray
-    """``[len(REFRESH_CAUSES)]``: its row of the planner's per-slot counts."""
-    area: int = -1
-    """Its private layout area (-1: laid out in place)."""
-    acceptance: AcceptanceTrend = field(default_factory=AcceptanceTrend)
-    """Observed only with ``retrieval_refresh: acceptance``."""
-
-    @property
-    def refreshes(self) -> dict[str, int]:
-        """Retrievals by cause."""
-        return dict(zip(REFRESH_CAUSES, self.refresh_counts.tolist()))
-
-
-def _rows() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class _StepRows:
-    """This step's rows (numpy arrays of batch rows), classified on the host
-    (no device reads)."""
-
-    retrieval_rows: np.ndarray = field(default_factory=_rows)
-    """Decode rows drafted through a selection."""
-    retrieval_slots: np.ndarray = field(default_factory=_rows)
-    """Their request slots."""
-    due_rows: np.ndarray = field(default_factory=_rows)
-    """Retrieval rows whose selection is recomputed this step."""
-    due_slots: np.ndarray = field(default_factory=_rows)
-    due_causes: np.ndarray = field(default_factory=_rows)
-    """Why each due row retrieves (an index into ``REFRESH_CAUSES``)."""
-    windowed_prefill_rows: np.ndarray = field(default_factory=_rows)
-    """Compact positions: prompt chunks beyond the draft's window, prefilled
-    over the sink and the most recent blocks."""
-    last_prompt_chunk_rows: np.ndarray = field(default_factory=_rows)
-    """cmr with compact positions: the windowed prompt chunks that end the
-    prompt; they also attend to the chunks the target's attention picks, so
-    the first drafts after the prompt already see them."""
-    seq_lens: np.ndarray | None = None
-    """``[num_reqs]``: context length including this step's query."""
-    private_rows: np.ndarray = field(default_factory=_rows)
-    """Rows with a private layout area (retrieval and windowed prefill)."""
-
-    @property
-    def empty(self) -> bool:
-        return not self.retrieval_rows.size and not self.windowed_prefill_rows.size
+# decode_rows and the data types are imported from here by callers and tests.
+__all__ = [
+    "DraftView",
+    "PlanningBatch",
+    "PrivateLayouts",
+    "RetrievalPlanner",
+    "WorkingCacheRewrite",
+    "decode_rows",
+]
 
 
 @dataclass
@@ -189,7 +70,7 @@ class _StagedRows:
     due_slots: torch.Tensor
 
 
-class RetrievalPlanner:
+class RetrievalPlanner(RequestRows, CompactLayout):
     """Chooses, per request and step, the KV blocks the draft attends to."""
 
     def __init__(
@@ -219,16 +100,7 @@ class RetrievalPlanner:
         self.compact_positions = compact_positions
         self.device = device
         self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
-        self._requests: dict[str, _RequestState] = {}
-        self._slot_of: dict[str, int] = {}
-        self._free_slots = list(range(max_num_reqs))
-        # Per request slot, on the host: classification is numpy over these.
-        self._decoded = np.zeros(max_num_reqs, dtype=bool)
-        """Tracked since a decode step (else only through windowed prefill)."""
-        self._steps_since_retrieval = np.zeros(max_num_reqs, dtype=np.int64)
-        self._has_selection = np.zeros(max_num_reqs, dtype=bool)
-        self._area_of_slot = np.full(max_num_reqs, -1, dtype=np.int64)
-        self._refresh_counts = np.zeros((max_num_reqs, len(REFRESH_CAUSES)), dtype=np.int64)
+        super().__init__(max_num_reqs)
         self._max_num_reqs = max_num_reqs
         self._sum_over_ranks = sum_over_ranks
         self.tap: TargetAttentionTap | None = None
@@ -361,124 +233,7 @@ class RetrievalPlanner:
             kept_block_table=kept_block_table,
         )
 
-    def _swap_in_private_blocks(
-        self,
-        batch: PlanningBatch,
-        step: _StepRows,
-        compact: torch.Tensor,
-        kept_context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Private layouts: the whole context blocks of each re-positioned
-        working cache are read from the request's own area (the rewrite
-        writes them there); the block holding the query start and later
-        ones, which only this request writes, stay in place."""
-        layouts = self.private_layouts
-        assert layouts is not None
-        private_slots = self._slots_of_rows(batch.req_ids, step.private_rows)
-        rows = self._index_stager(step.private_rows)
-        slots = self._index_stager(private_slots)
-        first_blocks = self._index_stager(
-            layouts.first_block + self._area_of_slot[private_slots] * layouts.blocks_per_area)
-        laid_out = np.concatenate((step.due_rows, step.windowed_prefill_rows))
-        rewritten = self._index_stager(np.isin(step.private_rows, laid_out))
-        context_blocks = (kept_context_lens[rows] // self.block_size).clamp(
-            max=layouts.blocks_per_area)
-        self._private_blocks[slots] = torch.where(
-            rewritten.bool(), context_blocks, self._private_blocks[slots])
-        width = min(layouts.blocks_per_area, compact.shape[1])
-        index = torch.arange(width, device=self.device)
-        private = index.view(1, -1) < self._private_blocks[slots].view(-1, 1)
-        swapped = compact.clone()
-        swapped[rows, :width] = torch.where(
-            private, (first_blocks.view(-1, 1) + index).to(compact.dtype), compact[rows, :width])
-        return swapped
-
-    def _classify_rows(self, batch: PlanningBatch) -> _StepRows:
-        """Host-side, numpy over per-slot state: which rows retrieve, which
-        are due, which prefill windowed; tracks new requests and drops
-        prefilling ones."""
-        config = self.config
-        k = self.max_num_speculative_tokens
-        query_lens = np.asarray(batch.query_lens_cpu)
-        context_lens = np.asarray(batch.context_lens_cpu)
-        prompt_lens = np.asarray(batch.prompt_lens_cpu)
-        is_decode = decode_rows(query_lens, context_lens, prompt_lens, k)
-        seq_lens = context_lens + query_lens
-        # Prefill rows get no retrieval: the draft writes their KV once, and
-        # would keep KV computed from partial context for good.
-        eligible = is_decode & (seq_lens >= max(config.min_context_tokens, 1))
-        # Rows whose draft positions would leave the draft's window.
-        beyond_window = seq_lens + k > self.draft_window
-        if self.compact_positions:
-            eligible |= is_decode & beyond_window
-        step = _StepRows(seq_lens=seq_lens)
-        if not is_decode.all():
-            self._classify_prompt_chunks(batch, step, is_decode, beyond_window,
-                                         seq_lens >= prompt_lens)
-
-        rows = np.flatnonzero(eligible)
-        slots = self._slots_of_rows(batch.req_ids, rows, track=True)
-        self._decoded[slots] = True
-        self._steps_since_retrieval[slots] += 1
-        steps = self._steps_since_retrieval[slots]
-        # As core.refresh.refresh_cause: first, then interval, then acceptance.
-        causes = np.where(~self._has_selection[slots], _FIRST, np.where(
-            steps >= config.retrieval_interval, _INTERVAL, _NO_REFRESH))
-        if config.retrieval_refresh == "acceptance":
-            self._acceptance_refreshes(batch, rows, steps, causes)
-        due = causes != _NO_REFRESH
-        step.retrieval_rows, step.retrieval_slots = rows, slots
-        step.due_rows, step.due_slots, step.due_causes = rows[due], slots[due], causes[due]
-        private = rows[self._area_of_slot[slots] >= 0]
-        if step.private_rows.size:
-            private = np.sort(np.concatenate((private, step.private_rows)))
-        step.private_rows = private
-        return step
-
-    def _classify_prompt_chunks(self, batch: PlanningBatch, step: _StepRows,
-                                is_decode: np.ndarray, beyond_window: np.ndarray,
-                                ends_prompt: np.ndarray) -> None:
-        """Prompt chunks (few rows a step): a request starts over, or, with
-        compact positions beyond the window, prefills windowed."""
-        windowed_rows, last_chunk_rows, private_rows = [], [], []
-        for row in np.flatnonzero(~is_decode).tolist():
-            req_id = batch.req_ids[row]
-            windowed = self.compact_positions and bool(beyond_window[row])
-            self._forget_unless_prefilling(req_id, windowed)
-            if windowed:
-                windowed_rows.append(row)
-                if self.config.mode == "cmr" and ends_prompt[row]:
-                    last_chunk_rows.append(row)
-                if self._has_private_area(req_id):
-                    private_rows.append(row)
-        step.windowed_prefill_rows = np.array(windowed_rows, dtype=np.int64)
-        step.last_prompt_chunk_rows = np.array(last_chunk_rows, dtype=np.int64)
-        step.private_rows = np.array(private_rows, dtype=np.int64)
-
-    def _slots_of_rows(self, req_ids: list[str], rows: np.ndarray,
-                       track: bool = False) -> np.ndarray:
-        """The request slots of ``rows`` (``track``: new requests get one)."""
-        slots = np.fromiter(map(self._slot_of.get, req_ids, itertools.repeat(-1)),
-                            dtype=np.int64, count=len(req_ids))[rows]
-        if track:
-            for index in np.flatnonzero(slots < 0).tolist():
-                slots[index] = self._track(req_ids[rows[index]]).slot
-        return slots
-
-    def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, steps: np.ndarray,
-                              causes: np.ndarray) -> None:
-        """``retrieval_refresh: acceptance``: observe each row's acceptance
-        and mark the rows whose acceptance dropped (a loop over the rows:
-        this option only)."""
-        drop = self.config.acceptance_drop
-        for index, row in enumerate(rows.tolist()):
-            trend = self._requests[batch.req_ids[row]].acceptance
-            trend.observe(int(batch.context_lens_cpu[row]), int(batch.query_lens_cpu[row]),
-                          int(steps[index]))
-            if causes[index] == _NO_REFRESH and trend.dropped(drop):
-                causes[index] = _ACCEPTANCE
-
-    def _stage(self, batch: PlanningBatch, step: _StepRows) -> _StagedRows:
+    def _stage(self, batch: PlanningBatch, step: StepRows) -> _StagedRows:
         return _StagedRows(*self._index_stager.next_step().stage(
             step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots))
 
@@ -486,7 +241,7 @@ class RetrievalPlanner:
         assert self._selected_blocks is not None
         return min(batch.block_table.shape[1], self._selected_blocks.shape[1])
 
-    def _score(self, batch: PlanningBatch, step: _StepRows, staged: _StagedRows) -> None:
+    def _score(self, batch: PlanningBatch, step: StepRows, staged: _StagedRows) -> None:
         """cmr: chunk scores from the target's last layer, for the rows due
         (``last_token``) or every retrieval row (``accepted_tokens``)."""
         accumulate = self.config.score_aggregation == "accepted_tokens"
@@ -505,7 +260,7 @@ class RetrievalPlanner:
     def _retrieve(
         self,
         batch: PlanningBatch,
-        step: _StepRows,
+        step: StepRows,
         staged: _StagedRows,
         first_query_pos: torch.Tensor,
     ) -> list[WorkingCacheRewrite]:
@@ -545,87 +300,6 @@ class RetrievalPlanner:
             self.block_size, self.max_num_speculative_tokens
         )
         return [WorkingCacheRewrite(due, working_cache)]
-
-    def _note_retrievals(self, batch: PlanningBatch, step: _StepRows) -> None:
-        """Host bookkeeping of the rows that retrieved: new selections, by cause."""
-        self._has_selection[step.due_slots] = True
-        self._steps_since_retrieval[step.due_slots] = 0
-        np.add.at(self._refresh_counts, (step.due_slots, step.due_causes), 1)
-        for cause, count in zip(REFRESH_CAUSES, np.bincount(
-                step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
-            self.stats.refreshes[cause] += count
-        if self.config.retrieval_refresh == "acceptance":
-            for row, cause in zip(step.due_rows.tolist(), step.due_causes.tolist()):
-                self._requests[batch.req_ids[row]].acceptance.new_selection(
-                    REFRESH_CAUSES[cause])
-
-    def _lay_out_windowed_prefill(
-        self,
-        batch: PlanningBatch,
-        step: _StepRows,
-        keep: torch.Tensor,
-        first_query_pos: torch.Tensor,
-        query_lens: torch.Tensor,
-    ) -> list[WorkingCacheRewrite]:
-        """Compact positions: a prompt chunk beyond the draft's window attends
-        to the sink and as many recent blocks as fit (StreamingLLM); with cmr,
-        the chunk that ends the prompt also attends to the top-k chunks of
-        the target's attention from the prompt's last token."""
-        assert step.seq_lens is not None
-        streaming_rows = step.windowed_prefill_rows[
-            ~np.isin(step.windowed_prefill_rows, step.last_prompt_chunk_rows)]
-        if streaming_rows.size:
-            self._lay_out_prefill_rows(batch, streaming_rows, step.seq_lens, keep,
-                                       first_query_pos, query_lens, top_k_chunks=0)
-        if step.last_prompt_chunk_rows.size:
-            self._lay_out_prefill_rows(
-                batch, step.last_prompt_chunk_rows, step.seq_lens, keep, first_query_pos,
-                query_lens, top_k_chunks=self._top_k_chunks_beside_prompt_chunk(
-                    int(batch.query_lens_cpu[step.last_prompt_chunk_rows].max())),
-            )
-        rows = self._index_stager(step.windowed_prefill_rows)
-        return [WorkingCacheRewrite(rows, self.draft_window)]
-
-    def _top_k_chunks_beside_prompt_chunk(self, query_len: int) -> int:
-        """Retrieved chunks that fit in the draft's window beside the sink,
-        a prompt chunk of ``query_len`` tokens and the draft lookahead."""
-        free = (self.draft_window - self._sink_blocks * self.block_size - query_len
-                - self.max_num_speculative_tokens - (self.block_size - 1))
-        top_k = self.config.resolved_top_k_chunks(self.chunk_size)
-        return max(0, min(top_k, free // self.chunk_size))
-
-    def _lay_out_prefill_rows(
-        self,
-        batch: PlanningBatch,
-        rows: np.ndarray,
-        seq_lens: np.ndarray,
-        keep: torch.Tensor,
-        first_query_pos: torch.Tensor,
-        query_lens: torch.Tensor,
-        top_k_chunks: int,
-    ) -> None:
-        """Keep the sink, ``top_k_chunks`` chunks scored by the target from
-        each row's last token, and the recent blocks that fit the window."""
-        rows_t = self._index_stager(rows)
-        if top_k_chunks > 0:
-            scores = self._chunk_scores(rows_t, batch, int(seq_lens[rows].max()),
-                                        num_query_rows=1)
-        else:
-            scores = torch.empty(len(rows), 0, device=self.device)
-        recent_start_block = streaming_recent_start_block(
-            first_query_pos[rows_t], query_lens[rows_t], self.max_num_speculative_tokens,
-            self._sink_blocks, self.draft_window - top_k_chunks * self.chunk_size,
-            self.block_size,
-        )
-        num_blocks = self._num_blocks(batch)
-        keep[rows_t, :num_blocks] = select_blocks(
-            scores,
-            recent_start_block,
-            top_k_chunks=top_k_chunks,
-            sink_blocks=self._sink_blocks,
-            blocks_per_chunk=self.chunk_size // self.block_size,
-            num_blocks=num_blocks,
-        )
 
     def _record(
         self,
@@ -716,55 +390,3 @@ class RetrievalPlanner:
             },
         }
 
-    def _track(self, req_id: str) -> _RequestState:
-        slot = self._free_slots.pop()
-        state = _RequestState(slot=slot, refresh_counts=self._refresh_counts[slot])
-        if self.private_layouts is not None:
-            if self._free_areas:
-                state.area = self._free_areas.pop()
-            else:
-                self.layouts_in_place += 1
-        self._decoded[slot] = False
-        self._steps_since_retrieval[slot] = 0
-        self._has_selection[slot] = False
-        self._area_of_slot[slot] = state.area
-        state.refresh_counts[:] = 0
-        self._requests[req_id] = state
-        self._slot_of[req_id] = slot
-        return state
-
-    def _forget(self, req_id: str, finished: bool = True) -> None:
-        state = self._requests.pop(req_id, None)
-        if state is None:
-            return
-        del self._slot_of[req_id]
-        if finished and self._decoded[state.slot]:
-            self.stats.finish_request(state.slot)
-        else:
-            self.stats.clear_slot(state.slot)
-        self._free_slots.append(state.slot)
-        if state.area >= 0:
-            self._free_areas.append(state.area)
-
-    def _forget_unless_prefilling(self, req_id: str, windowed: bool) -> None:
-        """A prompt chunk: the request starts over (a preempted request
-        recomputes), except that with private layouts a windowed prefill
-        keeps the state (and area) its earlier chunks made."""
-        state = self._requests.get(req_id)
-        if (state is None or not windowed or self.private_layouts is None
-                or self._decoded[state.slot]):
-            self._forget(req_id)
-
-    def _has_private_area(self, req_id: str) -> bool:
-        """With private layouts, a windowed prefill is tracked for its area."""
-        if self.private_layouts is None:
-            return False
-        state = self._requests.get(req_id) or self._track(req_id)
-        return state.area >= 0
-
-    def _forget_requests_not_in(self, req_ids: list[str]) -> None:
-        """Free the state of finished, aborted or preempted requests."""
-        gone = self._requests.keys() - set(req_ids)
-        # In tracking order: slots are freed (and reused) deterministically.
-        for req_id in [r for r in self._requests if r in gone] if gone else ():
-            self._forget(req_id)
