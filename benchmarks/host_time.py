@@ -2,9 +2,9 @@
 
 What runs on the host every step besides vLLM's own Python:
 
-- the planner's Python (``core/planner.py``): request bookkeeping (dropping
-  the requests that left), row classification, index staging and the
-  bookkeeping of the rows that retrieved;
+- the planner's Python (``core/planner.py``, ``core/request_rows.py``):
+  request bookkeeping (dropping the requests that left), row classification,
+  index staging and the bookkeeping of the rows that retrieved;
 - goodput control's (``control/speculation_control.py``): its ``plan``
   (frontiers, the controller's ``plan`` in ``control/goodput.py`` with its cost
   and acceptance observations) and ``catch_up_starts``.
