@@ -12,6 +12,7 @@ import torch
 from tests.engine_utils import run_engine
 from tests.retrieval.test_engine_options import capped_draft, engine_config
 from vllm_specextend.core.selection import rewrite_block_table
+from tests.drafters.mrv2_inputs import input_batch
 
 K = 3
 BLOCK_SIZE = 32
@@ -141,24 +142,6 @@ def speculator(target_model, draft_model, monkeypatch):
     return spec
 
 
-def input_batch(query_lens, context_lens, prompt_lens):
-    query_lens, context_lens = np.array(query_lens), np.array(context_lens)
-    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    seq_lens = (context_lens + query_lens).astype(np.int32)
-    num_tokens = int(query_start_loc[-1])
-    return types.SimpleNamespace(
-        num_reqs=len(query_lens), num_tokens=num_tokens,
-        req_ids=[f"req-{i}" for i in range(len(query_lens))],
-        idx_mapping=torch.arange(len(query_lens)),
-        input_ids=torch.arange(num_tokens, dtype=torch.int32),
-        query_start_loc=torch.from_numpy(query_start_loc),
-        query_start_loc_np=query_start_loc,
-        seq_lens=torch.from_numpy(seq_lens),
-        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        positions=torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]),
-        num_computed_tokens_np=context_lens,
-        prefill_len_np=np.array(prompt_lens),
-    )
 
 
 def prepare_prefill_inputs(input_buffers, input_batch, last_sampled, num_rejected,
