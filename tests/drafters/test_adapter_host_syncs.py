@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.core.test_host_syncs import ALLOWED
+from tests.drafters.fakes import FakeAttention
 from tests.host_sync_check import HostSyncCheck
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.core.options import SpecExtendConfig
@@ -24,6 +25,12 @@ from vllm_specextend.drafters.v1_overrides import V1Overrides
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, RetrievalSetup
 
 META = torch.device("meta")
+
+
+def meta_layer() -> FakeAttention:
+    return FakeAttention(scale=0.25, device=META)
+
+
 K = 3
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096
@@ -35,27 +42,6 @@ TARGET_LAYER = "model.layers.1.self_attn.attn"
 DRAFT_LAYER = "draft_model.model.layers.0.self_attn.attn"
 
 
-class FakeImpl:
-    scale = 0.25
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        return query
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        return None
-
-
-class FakeAttention:
-    num_heads, num_kv_heads, head_size = 4, 2, 16
-    kv_sharing_target_layer_name = None
-
-    def __init__(self):
-        self.impl = FakeImpl()
-        self.kv_cache = torch.zeros(1, device=META)
-
-    def get_attn_backend(self):
-        return types.SimpleNamespace(forward_includes_kv_cache_update=False,
-                                     get_name=lambda: "FAKE")
 
 
 class StockProposer:
@@ -177,7 +163,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
                            steps_in_flight=2)
     proposer = Proposer(None, META, runner_for(setup))
     retrieval = proposer.retrieval
-    retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
+    retrieval.attach({TARGET_LAYER: meta_layer(), DRAFT_LAYER: meta_layer()},
                      {DRAFT_LAYER})
     if method != "draft_model":
         proposer.control.allocate_paused_hidden_states(HIDDEN, torch.float32)
@@ -302,7 +288,7 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
     with HostSyncCheck(allowed) as check:
         spec = SpecExtendStandaloneARSpeculator(config, META)
         spec.draft_attn_layer_names = {DRAFT_LAYER}
-        spec.retrieval.attach({TARGET_LAYER: FakeAttention(), DRAFT_LAYER: FakeAttention()},
+        spec.retrieval.attach({TARGET_LAYER: meta_layer(), DRAFT_LAYER: meta_layer()},
                               spec.draft_attn_layer_names)
         with set_current_vllm_config(config):
             spec.model = torch.nn.ModuleDict({"rotary": get_rope(FakeAttention.head_size,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.drafters.fakes import FakeAttention, input_batch
 from tests.engine_utils import run_engine
 from tests.retrieval.test_engine_options import capped_draft, engine_config
 from vllm_specextend.core.selection import rewrite_block_table
-from tests.drafters.mrv2_inputs import input_batch
 
 K = 3
 BLOCK_SIZE = 32
@@ -81,27 +81,6 @@ def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft
     assert getattr(model_runner_v2.GPUModelRunner.__init__, "_specextend_wrapped", False)
 
 
-class FakeImpl:
-    scale = 0.125
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        return query
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        return None
-
-
-class FakeAttention:
-    """The target's last attention layer as the tap sees it."""
-
-    num_heads, num_kv_heads, head_size = 4, 2, 16
-
-    def __init__(self):
-        self.impl = FakeImpl()
-
-    def get_attn_backend(self):
-        return types.SimpleNamespace(forward_includes_kv_cache_update=False,
-                                     get_name=lambda: "FAKE")
 
 
 TARGET_LAYER = "model.layers.1.self_attn.attn"

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.drafters.test_mrv2_draft_model import BLOCK_SIZE, FakeAttention, simulate_gpu
+from tests.drafters.fakes import FakeAttention, input_batch
+from tests.drafters.test_mrv2_draft_model import BLOCK_SIZE, simulate_gpu
 from tests.engine_utils import run_engine
 from tests.retrieval.test_engine_options import engine_config
 from vllm_specextend.core.selection import rewrite_block_table
-from tests.drafters.mrv2_inputs import input_batch
 
 K = 3
 MAX_MODEL_LEN = 4096

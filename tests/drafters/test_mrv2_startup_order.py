@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.drafters.fakes import FakeAttention, input_batch
 from tests.drafters.test_mrv2_eagle import (
     prepare_decode_inputs,
     prepare_prefill_inputs,
@@ -23,7 +24,6 @@ from tests.drafters.test_mrv2_eagle import (
 )
 from tests.retrieval.test_engine_options import engine_config
 from vllm_specextend.core.selection import rewrite_block_table
-from tests.drafters.mrv2_inputs import input_batch
 
 K = 3
 BLOCK_SIZE = 32
@@ -35,23 +35,6 @@ TARGET_LAYER = "model.layers.3.self_attn.attn"
 DRAFT_LAYER = "drafter.layers.0.self_attn.attn"
 
 
-class FakeImpl:
-    scale = 0.125
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        return None
-
-
-class FakeAttention:
-    num_heads, num_kv_heads, head_size = 4, 2, 16
-
-    def __init__(self):
-        self.impl = FakeImpl()
-        self.kv_cache = torch.zeros(1)
-
-    def get_attn_backend(self):
-        return types.SimpleNamespace(forward_includes_kv_cache_update=False,
-                                     get_name=lambda: "FAKE")
 
 
 class GraphManager:

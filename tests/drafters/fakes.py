@@ -1,4 +1,5 @@
-"""A Model Runner V2 input batch for the MRV2 adapter tests (the fields
+"""Stand-ins the drafter adapter tests share: the target's last attention
+layer as the tap sees it, and a Model Runner V2 input batch (the fields
 vLLM's ``InputBatch`` carries that the speculators read)."""
 
 import types
@@ -27,3 +28,31 @@ def input_batch(query_lens, context_lens, prompt_lens):
         prefill_len_np=np.array(prompt_lens),
         is_prefilling_np=context_lens + query_lens < np.array(prompt_lens),
     )
+
+
+class FakeImpl:
+    """An attention impl: the tap swaps its class and calls these."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        return query
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        return None
+
+
+class FakeAttention:
+    """The target's (or draft's) attention layer as the tap sees it."""
+
+    num_heads, num_kv_heads, head_size = 4, 2, 16
+    kv_sharing_target_layer_name = None
+
+    def __init__(self, scale: float = 0.125, device: str | torch.device = "cpu"):
+        self.impl = FakeImpl(scale)
+        self.kv_cache = torch.zeros(1, device=device)
+
+    def get_attn_backend(self):
+        return types.SimpleNamespace(forward_includes_kv_cache_update=False,
+                                     get_name=lambda: "FAKE")
