@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -214,8 +215,39 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * size / seconds
 
 
+def _profile(device: torch.device, fn, calls: int = 3) -> dict:
+    """Where a planning call's time goes: its host time (launching, no wait),
+    the kernels it launches and their device time, the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _synchronize(device)
+    host = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+        _synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _synchronize(device)
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us > 0:
+            kernels.append({"name": event.key[:120], "launches_per_call": event.count / calls,
+                            "device_us_per_call": device_us / calls})
+    kernels.sort(key=lambda k: -k["device_us_per_call"])
+    return {"host_ms_per_call": 1e3 * float(np.median(host)),
+            "launches_per_call": sum(k["launches_per_call"] for k in kernels),
+            "device_us_per_call": sum(k["device_us_per_call"] for k in kernels),
+            "kernels": kernels[:25]}
+
+
 def run_size(device, batch: int, context: int, paths: list[str], repeats: int,
-             bandwidth: float) -> dict:
+             bandwidth: float, profile: bool = False) -> dict:
     inputs = _inputs(batch, context, device)
     max_model_len = context + 64
     query_index = (torch.from_numpy(inputs["query_start"][1:]).to(device).view(-1, 1)
@@ -287,6 +319,8 @@ def run_size(device, batch: int, context: int, paths: list[str], repeats: int,
             "plan_peak_memory_mib": peak,
             "sync_sites": _sync_sites(device, calls),
         }
+        if profile and device.type == "cuda":
+            out["paths"][path]["profile"] = _profile(device, lambda: planner.plan(batches[1]))
         del planner
     return out
 
@@ -323,7 +357,8 @@ def run(args) -> dict:
         "sizes": [],
     }
     for batch, context in grid:
-        result["sizes"].append(run_size(device, batch, context, paths, args.repeats, bandwidth))
+        result["sizes"].append(run_size(device, batch, context, paths, args.repeats, bandwidth,
+                                        args.profile))
         print(f"{batch} x {context}: " + ", ".join(
             f"{path} plan {r['plan_ms']:.2f} ms" for path, r in result["sizes"][-1]["paths"].items()),
             flush=True)
@@ -339,6 +374,8 @@ def _triton_version() -> str | None:
 
 
 def _commit() -> str | None:
+    if os.environ.get("SPECEXTEND_COMMIT"):  # a copied tree without .git (a lent GPU machine)
+        return os.environ["SPECEXTEND_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                               capture_output=True, text=True, timeout=10).stdout.strip() or None
@@ -431,6 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: build/gpu-kernels-DEVICE, untracked)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each planning call's kernels (torch.profiler) and host time")
     parser.add_argument("--replot", type=Path, default=None,
                         help="redraw DIR/results.png from DIR/results.json")
     args = parser.parse_args(argv)
