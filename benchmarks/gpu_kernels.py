@@ -106,6 +106,8 @@ def _planner(device, inputs, max_model_len: int, path: str) -> RetrievalPlanner:
                                max_num_speculative_tokens=K, draft_window=max_model_len,
                                compact_positions=False, device=device)
     planner.scoring_workspace = _workspace(device, batch, path, max_model_len)
+    # The torch path is the whole pure-torch layer: selection and rewrite too.
+    planner.use_kernels = path == "triton"
     tap = TargetAttentionTap(num_slots=1, max_num_tokens=inputs["queries"].shape[0],
                              num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                              scale=HEAD_DIM ** -0.5, dtype=torch.bfloat16, device=device)
@@ -257,9 +259,10 @@ def run_size(device, batch: int, context: int, paths: list[str], repeats: int,
     recent = torch.full((batch,), (context - 256) // BLOCK_SIZE, device=device)
     num_blocks = inputs["table"].shape[1]
 
-    def select(sums):
+    def select(sums, use_kernel=False):
         return select_blocks(sums, recent, top_k_chunks=16, sink_blocks=2,
-                             blocks_per_chunk=CHUNK // BLOCK_SIZE, num_blocks=num_blocks)
+                             blocks_per_chunk=CHUNK // BLOCK_SIZE, num_blocks=num_blocks,
+                             use_kernel=use_kernel)
 
     dense_keep = select(dense)
     key_bytes = batch * context * KV_HEADS * HEAD_DIM * 2
@@ -279,8 +282,9 @@ def run_size(device, batch: int, context: int, paths: list[str], repeats: int,
                                         inputs["table"], context, HEAD_DIM ** -0.5, BLOCK_SIZE,
                                         CHUNK, workspace)
 
+        kernels = path == "triton"
         sums = score()
-        keep = select(sums)
+        keep = select(sums, kernels)
         same_rows = (keep == dense_keep).all(dim=1)
         planner.plan(batches[0])  # warm-up (and Triton's compile)
         _synchronize(device)
@@ -297,8 +301,9 @@ def run_size(device, batch: int, context: int, paths: list[str], repeats: int,
         calls = {
             "plan": lambda: planner.plan(batches[0]),
             "chunk_attention_sums": score,
-            "select_blocks": lambda: select(sums),
-            "rewrite_block_table": lambda: rewrite_block_table(inputs["table"], keep, BLOCK_SIZE),
+            "select_blocks": lambda: select(sums, kernels),
+            "rewrite_block_table": lambda: rewrite_block_table(inputs["table"], keep, BLOCK_SIZE,
+                                                               use_kernel=kernels),
         }
         out["paths"][path] = {
             "plan_ms": 1e3 * plan_s,

@@ -131,3 +131,58 @@ def chunk_sum_kernel(
                           mask=rh_ok[:, None] & (g < num_granules)[None, :], other=-float("inf"))
             acc += tl.sum(tl.exp2(lse - norm[:, None]), axis=0)
     tl.store(out_ptr + row * out_stride_b + c, acc, mask=c < num_chunks)
+
+
+def gather_query_rows_kernel(
+    rows_ptr, last_ptr, start_ptr, positions_ptr, q_ptr, table_ptr,
+    q_out_ptr, qpos_out_ptr, table_out_ptr,
+    q_stride_t, table_stride, table_out_stride, num_blocks,
+    QUERY_ROWS: tl.constexpr, HEAD_ELEMS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Per scored batch row: the last ``QUERY_ROWS`` query tokens' queries
+    and positions (-1 before the row's first query token), and its block
+    table row, gathered into the scoring inputs."""
+    i = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    last = tl.load(last_ptr + row).to(tl.int64)
+    first = tl.load(start_ptr + row).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    for r in range(QUERY_ROWS):
+        index = last - r
+        position = tl.load(positions_ptr + tl.maximum(index, 0))
+        tl.store(qpos_out_ptr + i * QUERY_ROWS + r, tl.where(index >= first, position, -1))
+        source = q_ptr + tl.maximum(index, 0) * q_stride_t
+        target = q_out_ptr + (i * QUERY_ROWS + r) * HEAD_ELEMS
+        for start in range(0, HEAD_ELEMS, BLOCK_E):
+            ok = start + e < HEAD_ELEMS
+            tl.store(target + start + e, tl.load(source + start + e, mask=ok), mask=ok)
+    b = tl.arange(0, BLOCK_B)
+    for start in range(0, num_blocks, BLOCK_B):
+        ok = start + b < num_blocks
+        tl.store(table_out_ptr + i * table_out_stride + start + b,
+                 tl.load(table_ptr + row * table_stride + start + b, mask=ok), mask=ok)
+
+
+def chunk_means_kernel(
+    sums_ptr, rows_ptr, seq_lens_ptr, slots_ptr, out_ptr,
+    sums_stride, out_stride, num_chunks, out_chunks, chunk_size,
+    ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per (scored row, block of chunks): the mean score per context token of
+    each chunk, added to (``ACCUMULATE``) or written over (the rest of the
+    row zeroed) the row's request slot in ``out``."""
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    context = tl.load(seq_lens_ptr + tl.load(rows_ptr + i)).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    width = tl.minimum(num_chunks, out_chunks)
+    in_width = c < width
+    sums = tl.load(sums_ptr + i * sums_stride + c, mask=in_width, other=0.0)
+    count = tl.minimum(tl.maximum(context - c.to(tl.int64) * chunk_size, 0), chunk_size)
+    mean = sums / tl.maximum(count, 1).to(tl.float32)
+    target = out_ptr + slot * out_stride + c
+    if ACCUMULATE:
+        tl.store(target, tl.load(target, mask=in_width, other=0.0) + mean, mask=in_width)
+    else:
+        tl.store(target, tl.where(in_width, mean, 0.0), mask=c < out_chunks)

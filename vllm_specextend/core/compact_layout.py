@@ -33,6 +33,7 @@ class CompactLayout:
     chunk_size: int
     draft_window: int
     max_num_speculative_tokens: int
+    use_kernels: bool
     private_layouts: PrivateLayouts | None
     _index_stager: IndexStager
     _area_of_slot: np.ndarray
@@ -135,4 +136,5 @@ class CompactLayout:
             sink_blocks=self._sink_blocks,
             blocks_per_chunk=self.chunk_size // self.block_size,
             num_blocks=num_blocks,
+            use_kernel=self.use_kernels,
         )

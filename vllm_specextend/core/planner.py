@@ -45,6 +45,7 @@ from vllm_specextend.core.scoring import (
     chunk_attention_sums,
     chunk_token_counts,
 )
+from vllm_specextend.core.scoring_triton import gather_query_rows, store_chunk_means
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
@@ -116,6 +117,9 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         """Per request slot: leading kept blocks held in its private area."""
         self.layouts_in_place = 0
         """Requests laid out in place for want of a free private area."""
+        self.use_kernels = device.type == "cuda"
+        """Select blocks and rewrite tables with the Triton kernels
+        (``core/selection_triton.py``), as on CUDA."""
 
     def allocate_scoring_workspace(self, scoring_layer, dtype: torch.dtype) -> None:
         """Scoring's fixed workspace; call at model load, before vLLM
@@ -148,9 +152,17 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         self.config.check_chunk_size(block_size)
         self.chunk_size = self.config.resolved_chunk_size(block_size)
         self._allocate_selection_state()
+        self._warm_up_kernels()
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the CUDA kernels now, not in the first serving step."""
         if self.scoring_workspace is not None:
-            # Compiles the CUDA kernel now, not in the first serving step.
-            self.scoring_workspace.warm_up(block_size, self.chunk_size)
+            self.scoring_workspace.warm_up(self.block_size, self.chunk_size)
+        if self.use_kernels:
+            from vllm_specextend.core.selection_triton import warm_up
+
+            warm_up(self.device)
+            self.stats.warm_up_kernel()
 
     def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -178,8 +190,7 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         for req_id in list(self._requests):
             self._forget(req_id, finished=False)
         self._allocate_selection_state()
-        if self.scoring_workspace is not None:
-            self.scoring_workspace.warm_up(self.block_size, self.chunk_size)
+        self._warm_up_kernels()
 
     # ---- planning ---------------------------------------------------------
 
@@ -215,10 +226,10 @@ class RetrievalPlanner(RequestRows, CompactLayout):
                 batch, step, keep, first_query_pos, query_lens
             )
         compact, removed = rewrite_block_table(
-            batch.block_table[:num_rows], keep, self.block_size
+            batch.block_table[:num_rows], keep, self.block_size, use_kernel=self.use_kernels
         )
         if step.retrieval_rows.size:
-            self._record(batch, staged, query_lens, removed)
+            self._record(batch, staged, removed)
         kept_context_lens = first_query_pos - removed[:num_reqs]
         kept_block_table = None
         if step.private_rows.size:
@@ -286,6 +297,7 @@ class RetrievalPlanner(RequestRows, CompactLayout):
             sink_blocks=self._sink_blocks,
             blocks_per_chunk=self.chunk_size // self.block_size,
             num_blocks=num_blocks,
+            use_kernel=self.use_kernels,
         )
         self._selected_blocks[due_slots, :num_blocks] = keep
         if config.score_aggregation == "accepted_tokens":
@@ -301,21 +313,10 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         )
         return [WorkingCacheRewrite(due, working_cache)]
 
-    def _record(
-        self,
-        batch: PlanningBatch,
-        staged: _StagedRows,
-        query_lens: torch.Tensor,
-        removed: torch.Tensor,
-    ) -> None:
-        rows = staged.rows
-        # Tokens gained at the verification just done: accepted drafts + 1.
-        accepted = batch.last_token_indices[rows] - batch.query_start_loc[rows] + 1
-        self.stats.record_step(
-            staged.slots,
-            context_tokens=batch.seq_lens[rows],
-            removed_tokens=removed[rows],
-            acceptance_lengths=torch.where(query_lens[rows] > 1, accepted, 0),
+    def _record(self, batch: PlanningBatch, staged: _StagedRows, removed: torch.Tensor) -> None:
+        self.stats.record_rows(
+            staged.rows, staged.slots, batch.seq_lens, removed, batch.last_token_indices,
+            batch.query_start_loc, use_kernel=self.use_kernels,
         )
 
     @property
@@ -330,10 +331,17 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         max_context_len: int,
         accumulate: bool,
     ) -> None:
-        """Chunk scores from the target's last layer for the given batch rows,
-        kept per request slot."""
-        assert self._score_sums is not None
+        """Chunk scores of the given batch rows, added to (``accumulate``:
+        scored from their ``K + 1`` query rows) or written over (from their
+        last token) their slots' scores."""
+        assert self._score_sums is not None and self.scoring_workspace is not None
         num_query_rows = self.max_num_speculative_tokens + 1 if accumulate else 1
+        if self.scoring_workspace.use_kernel:
+            # The mean and the store in one launch, for the ~8 ops below.
+            sums = self._chunk_sums(rows_t, batch, max_context_len, num_query_rows)
+            store_chunk_means(sums, rows_t, batch.seq_lens, slots, self._score_sums,
+                              self.chunk_size, accumulate)
+            return
         scores = self._chunk_scores(rows_t, batch, max_context_len, num_query_rows)
         width = min(scores.shape[1], self._score_sums.shape[1])
         if accumulate:
@@ -351,25 +359,39 @@ class RetrievalPlanner(RequestRows, CompactLayout):
     ) -> torch.Tensor:
         """Mean attention per token of each chunk, from the target's last
         layer, for the last ``num_query_rows`` tokens of the given rows."""
-        tap = self.tap
-        assert tap is not None
-        last = batch.last_token_indices[rows_t].long()
-        query_index = last.view(-1, 1) - torch.arange(
-            num_query_rows, device=self.device
-        ).view(1, -1)
-        valid = query_index >= batch.query_start_loc[rows_t].view(-1, 1)
-        query_index = query_index.clamp(min=0)
-        query_positions = torch.where(valid, batch.positions[query_index], -1)
-        assert self.scoring_workspace is not None
-        sums = chunk_attention_sums(
-            tap.queries[query_index], query_positions, tap.keys,
-            batch.block_table[rows_t], max_context_len, tap.scale, self.block_size,
-            self.chunk_size, self.scoring_workspace,
-        )
-        if self._sum_over_ranks is not None:
-            sums = self._sum_over_ranks(sums)
+        sums = self._chunk_sums(rows_t, batch, max_context_len, num_query_rows)
         counts = chunk_token_counts(batch.seq_lens[rows_t], sums.shape[1], self.chunk_size)
         return sums / counts.clamp(min=1)
+
+    def _chunk_sums(
+        self,
+        rows_t: torch.Tensor,
+        batch: PlanningBatch,
+        max_context_len: int,
+        num_query_rows: int,
+    ) -> torch.Tensor:
+        """:func:`chunk_attention_sums` of the given rows, over all ranks."""
+        tap, workspace = self.tap, self.scoring_workspace
+        assert tap is not None and workspace is not None
+        if workspace.use_kernel:
+            # One launch for the ~12 ops below.
+            queries, query_positions, tables = gather_query_rows(
+                rows_t, batch.last_token_indices, batch.query_start_loc, batch.positions,
+                tap.queries, batch.block_table, num_query_rows)
+        else:
+            last = batch.last_token_indices[rows_t].long()
+            query_index = last.view(-1, 1) - torch.arange(
+                num_query_rows, device=self.device
+            ).view(1, -1)
+            valid = query_index >= batch.query_start_loc[rows_t].view(-1, 1)
+            query_index = query_index.clamp(min=0)
+            query_positions = torch.where(valid, batch.positions[query_index], -1)
+            queries, tables = tap.queries[query_index], batch.block_table[rows_t]
+        sums = chunk_attention_sums(
+            queries, query_positions, tap.keys, tables, max_context_len, tap.scale,
+            self.block_size, self.chunk_size, workspace,
+        )
+        return sums if self._sum_over_ranks is None else self._sum_over_ranks(sums)
 
     # ---- per-request state ------------------------------------------------
 

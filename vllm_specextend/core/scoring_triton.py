@@ -59,6 +59,10 @@ MIN_SPLIT_TILES = 4
 # compiled for sm_90 neither spills, see tests/core/test_scoring_triton.py).
 ROWS_BLOCK_RH, ROWS_BLOCK_G = 16, 128
 CHUNKS_BLOCK_RH, CHUNKS_BLOCK_C = 64, 64
+GATHER_BLOCK = 1024
+"""Query elements / block-table entries the gather copies per loop step."""
+MEANS_BLOCK_C = 256
+"""Chunks per program of the chunk-means store."""
 
 
 def granule_size(chunk_size: int) -> int:
@@ -109,9 +113,7 @@ def chunk_attention_sums_triton(
             f"{max_context_len} tokens needs {per_row}: allocate ScoringWorkspace with "
             f"max_context_len >= {max_context_len}"
         )
-    if queries.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton scoring kernel runs on CPU tensors only under "
-                           "TRITON_INTERPRET=1, set before triton is imported")
+    _check_device(queries)
     kernels = _kernels()
     granule_pad = _next_power_of_2(granule)
     granules_per_tile = max(1, TILE_POSITIONS // granule_pad)
@@ -158,12 +160,79 @@ def chunk_attention_sums_triton(
     return sums
 
 
+def gather_query_rows(
+    rows: torch.Tensor,
+    last_token_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    queries: torch.Tensor,
+    block_table: torch.Tensor,
+    num_query_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scoring inputs of batch ``rows`` in one launch: the queries
+    ``[rows, num_query_rows, heads, head_dim]`` of each row's last
+    ``num_query_rows`` tokens (the last first), their positions (-1 before
+    the row's first query token: padding) and the rows' block tables.
+    ``queries`` is the tap's ``[tokens, heads, head_dim]`` buffer."""
+    num = rows.shape[0]
+    _, num_heads, head_dim = queries.shape
+    device = queries.device
+    query_rows = torch.empty(num, num_query_rows, num_heads, head_dim, dtype=queries.dtype,
+                             device=device)
+    query_positions = torch.empty(num, num_query_rows, dtype=positions.dtype, device=device)
+    tables = torch.empty(num, block_table.shape[1], dtype=block_table.dtype, device=device)
+    if num:
+        _check_device(queries)
+        head_elems = num_heads * head_dim
+        _kernels().gather[(num,)](
+            rows, last_token_indices, query_start_loc, positions, queries, block_table,
+            query_rows, query_positions, tables,
+            queries.stride(0), block_table.stride(0), tables.stride(0), block_table.shape[1],
+            QUERY_ROWS=num_query_rows, HEAD_ELEMS=head_elems,
+            BLOCK_E=min(GATHER_BLOCK, _next_power_of_2(head_elems)), BLOCK_B=GATHER_BLOCK,
+            num_warps=4,
+        )
+    return query_rows, query_positions, tables
+
+
+def store_chunk_means(
+    sums: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    chunk_size: int,
+    accumulate: bool,
+) -> None:
+    """Each chunk's sum over its context tokens (``seq_lens`` of the batch
+    ``rows``) as a mean per token, added to ``out[slots]`` or written over
+    it (the rest of each row zeroed), in one launch."""
+    num, num_chunks = sums.shape
+    if not num:
+        return
+    _check_device(sums)
+    _kernels().means[(num, -(-out.shape[1] // MEANS_BLOCK_C))](
+        sums, rows, seq_lens, slots, out,
+        sums.stride(0), out.stride(0), num_chunks, out.shape[1], chunk_size,
+        ACCUMULATE=accumulate, BLOCK_C=MEANS_BLOCK_C, num_warps=4,
+    )
+
+
 def warm_up(workspace, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
             dtype: torch.dtype, block_size: int, chunk_size: int) -> None:
-    """One call on a one-block context with the argument types the planner
-    passes (int64 positions, an int32 block table), so that its first
-    planning call finds the kernels compiled."""
+    """One call of each kernel on a one-block context with the argument
+    types the planner passes (int64 rows and positions, int32 query starts,
+    sequence lengths and block table), so that its first planning call finds
+    the kernels compiled."""
     device = workspace.granule_logsumexp.device
+    rows_t = torch.zeros(1, dtype=torch.int64, device=device)
+    index = torch.zeros(2, dtype=torch.int32, device=device)
+    gather_query_rows(rows_t, index[:1], index, rows_t,
+                      torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device),
+                      index.view(1, 2), rows)
+    for accumulate in (False, True):
+        store_chunk_means(torch.zeros(1, 1, device=device), rows_t, index, rows_t,
+                          torch.zeros(1, 1, device=device), chunk_size, accumulate)
     chunk_attention_sums_triton(
         torch.zeros(1, rows, num_heads, head_dim, dtype=dtype, device=device),
         torch.zeros(1, rows, dtype=torch.int64, device=device),
@@ -181,14 +250,21 @@ def _tiles_per_split(tiles: int, programs_per_split: int) -> int:
     return min(tiles, _next_power_of_2(per_split))
 
 
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton scoring kernels run on CPU tensors only under "
+                           "TRITON_INTERPRET=1, set before triton is imported")
+
+
 class _Kernels:
-    def __init__(self, granules, rows, chunks) -> None:
+    def __init__(self, granules, rows, chunks, gather, means) -> None:
         self.granules, self.rows, self.chunks = granules, rows, chunks
+        self.gather, self.means = gather, means
 
 
 @functools.cache
 def _kernels() -> _Kernels:
-    """The three kernels, jitted on first use (triton imported lazily). On
+    """The kernels, jitted on first use (triton imported lazily). On
     CPU tensors they run only under Triton's interpreter, which
     TRITON_INTERPRET=1 selects for the whole process when triton is first
     imported (``triton.language``'s own helpers are jitted then)."""
@@ -207,4 +283,8 @@ def _kernels() -> _Kernels:
                    do_not_specialize=["heads_rows", "num_granules"]),
         triton.jit(source.chunk_sum_kernel, do_not_specialize=[
             "heads_rows", "num_granules", "num_chunks", "out_stride_b"]),
+        triton.jit(source.gather_query_rows_kernel, do_not_specialize=[
+            "q_stride_t", "table_stride", "table_out_stride", "num_blocks"]),
+        triton.jit(source.chunk_means_kernel, do_not_specialize=[
+            "sums_stride", "out_stride", "num_chunks", "out_chunks", "chunk_size"]),
     )

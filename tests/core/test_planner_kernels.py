@@ -1,0 +1,146 @@
+"""The planner on its CUDA kernels (``use_kernels``: the scoring kernels with
+their gather and chunk-means launches, selection, the table rewrite and the
+step record) plans what it plans on torch ops: the same draft views (block
+tables, removed tokens, kept context lengths, re-positioned rows), chunk
+scores and metrics, step after step, for cmr (scored at the last token and
+over the accepted tokens, refreshed by acceptance), streaming and compact
+positions with windowed prompt chunks.
+
+Without a GPU the kernel planner runs under Triton's interpreter in one
+worker process (see test_scoring_triton.py); with CUDA also on the device.
+Fixed inputs (seed 0): scores of the two paths differ in the last float bits,
+so selections agree unless two chunks tie to that precision, which these do
+not.
+
+Mutations that fail it (each tried): the gathered query rows one token off;
+a one-token chunk's mean halved; tokens gained counted without the +1; a
+one-token query counted as a verification. (Selection and the rewrite have
+their own, finer test: test_selection_triton.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.core.test_planner import BLOCK_SIZE, K, ROWS, planning_batch, to_device
+from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.planner import RetrievalPlanner
+from vllm_specextend.core.scoring import ScoringWorkspace
+from vllm_specextend.core.target_tap import TargetAttentionTap
+
+OPTIONS = {
+    "cmr": {"mode": "cmr"},
+    "cmr-accepted-tokens": {"mode": "cmr", "score_aggregation": "accepted_tokens"},
+    "cmr-acceptance-refresh": {"mode": "cmr", "retrieval_refresh": "acceptance"},
+    "streaming": {"mode": "streaming"},
+    "cmr-compact": {"mode": "cmr", "draft_window": 1024},
+}
+NUM_SLOTS = 5 * 256 * BLOCK_SIZE
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def make_planner(options: dict, device: torch.device, kernels: bool) -> RetrievalPlanner:
+    options = dict(options)
+    draft_window = options.pop("draft_window", 4096)
+    config = SpecExtendConfig(min_context_tokens=1024, sink_tokens=16, recent_tokens=64,
+                              chunk_size=32, top_k_chunks=4, retrieval_interval=2, **options)
+    planner = RetrievalPlanner(config, max_num_reqs=8, max_model_len=4096,
+                               max_num_speculative_tokens=K, draft_window=draft_window,
+                               compact_positions=draft_window < 4096, device=device)
+    planner.use_kernels = kernels
+    planner.scoring_workspace = ScoringWorkspace.allocate(
+        HEADS, KV_HEADS, HEAD_DIM, 8, K + 1, torch.float32, device, use_kernel=kernels,
+        max_context_len=4096)
+    generator = torch.Generator().manual_seed(0)
+    tap = TargetAttentionTap(num_slots=NUM_SLOTS, max_num_tokens=1024, num_heads=HEADS,
+                             num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=0.25,
+                             dtype=torch.float32, device=device)
+    tap.keys.copy_(torch.randn(tap.keys.shape, generator=generator))
+    tap.queries.copy_(torch.randn(tap.queries.shape, generator=generator))
+    planner.bind_kv_cache(tap, BLOCK_SIZE)
+    return planner
+
+
+def steps(device: torch.device) -> list:
+    """Four steps of ``ROWS`` four tokens apart (retrievals due at the first
+    and third; some drafts rejected at the second; at the fourth
+    ``reduced_k`` drafted nothing and ``full_k``'s last chunk holds one
+    token), then one without ``full_k``."""
+    batches = []
+    for step in range(4):
+        rows = dict(ROWS, context_lens=[c + 4 * step - 8 for c in ROWS["context_lens"]])
+        if step == 3:
+            rows["query_lens"] = [K + 1, 1] + ROWS["query_lens"][2:]
+        batch = planning_batch(**rows)
+        if step == 1:
+            batch.last_token_indices = batch.last_token_indices - torch.tensor([2, 1, 0, 0, 0])
+        batches.append(batch)
+    batches.append(planning_batch(**{key: values[1:] for key, values in ROWS.items()}))
+    return [to_device(batch, device) for batch in batches]
+
+
+def run(options: dict, device: torch.device, kernels: bool) -> dict:
+    planner = make_planner(options, device, kernels)
+    views = []
+    for batch in steps(device):
+        view = planner.plan(batch)
+        views.append(None if view is None else {
+            "block_table": view.block_table.cpu(),
+            "removed_tokens": view.removed_tokens.cpu(),
+            "kept_context_lens": view.kept_context_lens.cpu(),
+            "rewrites": [(r.rows.cpu(), r.max_context_len) for r in view.rewrites],
+        })
+    metrics = planner.metrics_snapshot()
+    return {"views": views, "scores": planner._score_sums.cpu(),
+            "metrics": {k: v for k, v in metrics.items() if k != "requests"},
+            "requests": metrics["requests"]}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("triton-interpreter") / "planner.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "tests.core.test_planner_kernels", str(out)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
+DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_planner_on_kernels_plans_what_it_plans_on_torch(name, device, request):
+    if device == "cuda":
+        got = run(OPTIONS[name], torch.device("cuda"), kernels=True)
+    else:
+        got = request.getfixturevalue("interpreted")[name]
+    want = run(OPTIONS[name], torch.device("cpu"), kernels=False)
+    assert sum(view is not None for view in want["views"]) >= 4
+    for step, (kernel_view, torch_view) in enumerate(zip(got["views"], want["views"])):
+        assert (kernel_view is None) == (torch_view is None), step
+        if torch_view is None:
+            continue
+        for field in ("block_table", "removed_tokens", "kept_context_lens"):
+            assert torch.equal(kernel_view[field], torch_view[field]), (name, step, field)
+        assert len(kernel_view["rewrites"]) == len(torch_view["rewrites"])
+        for (rows, length), (want_rows, want_length) in zip(kernel_view["rewrites"],
+                                                            torch_view["rewrites"]):
+            assert torch.equal(rows, want_rows) and length == want_length
+    torch.testing.assert_close(got["scores"], want["scores"], rtol=1e-5, atol=1e-7)
+    assert got["metrics"] == want["metrics"] and got["requests"] == want["requests"]
+    # Something was removed and recorded: the comparison is not between two no-ops.
+    assert want["metrics"]["kept_tokens"] < want["metrics"]["context_tokens"]
+
+
+if __name__ == "__main__":  # the interpreter worker (TRITON_INTERPRET=1)
+    torch.save({name: run(options, torch.device("cpu"), kernels=True)
+                for name, options in OPTIONS.items()}, sys.argv[1])

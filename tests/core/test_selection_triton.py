@@ -1,0 +1,113 @@
+"""The Triton selection and rewrite kernels (``core/selection_triton.py``)
+equal the torch functions of ``core/selection.py`` (the reference) on fresh
+random rows: ties (rounded scores), chunks scored -inf, top-k from none to
+more than the candidates, sinks, recent windows before, inside and past the
+table, chunks of 1-4 blocks, chunks past the table's last block, and rows
+long enough that both kernels take several loop steps (more than
+``CHUNKS_PER_STEP`` chunks, more than ``BLOCKS_PER_STEP`` blocks).
+
+Without a GPU the kernels run under Triton's interpreter in one worker
+process (``python -m tests.core.test_selection_triton``; TRITON_INTERPRET=1
+must be set before triton is imported, see test_scoring_triton.py); with
+CUDA the same rows run on the device too. The seed is fresh per run and
+named in each failure (SPECEXTEND_TEST_SEED=N repeats one).
+
+Mutations that fail these tests (each tried): ties picked by the later chunk
+(sort not stable); -inf chunks picked; the recent window's own chunks made
+candidates; picks past the first loop step dropped; removed blocks written
+before the kept ones.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_specextend.core.selection import rewrite_block_table, select_blocks
+
+SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
+NUM_CASES = 40
+BLOCK_SIZE = 16
+
+
+def make_case(index: int) -> dict:
+    """Case ``index`` of this run; every fourth is a long row with a top-k of
+    hundreds, its next scores ties, the one after has -inf chunks."""
+    seed = SEED + index
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    batch = rng.randint(1, 4)
+    blocks_per_chunk = rng.choice([1, 2, 4])
+    num_blocks = (rng.randint(1100, 2100) if index % 4 == 0
+                  else rng.choice([rng.randint(1, 40), rng.randint(100, 400)]))
+    num_chunks = -(-num_blocks // blocks_per_chunk) + rng.randint(0, 2)
+    score = torch.randn(batch, num_chunks, generator=generator)
+    if index % 4 == 1 or rng.random() < 0.3:
+        score = score.round()  # many ties
+    if index % 4 == 2 or rng.random() < 0.2:
+        score[torch.rand(score.shape, generator=generator) < 0.2] = -torch.inf
+    top_k = rng.choice([0, 1, rng.randint(2, 300), num_chunks + 5])
+    return {
+        "score": score,
+        "recent": torch.randint(0, num_blocks + 3, (batch,), generator=generator,
+                                dtype=torch.int32),
+        "top_k": rng.randint(257, 400) if index % 4 == 0 else top_k,
+        "sink": rng.randint(0, 4),
+        "blocks_per_chunk": blocks_per_chunk,
+        "num_blocks": num_blocks,
+        "table": torch.randperm(batch * num_blocks, generator=generator).int().view(batch, -1),
+    }
+
+
+def run_case(case: dict, use_kernel: bool, device: torch.device) -> dict:
+    keep = select_blocks(case["score"].to(device), case["recent"].to(device), case["top_k"],
+                         case["sink"], case["blocks_per_chunk"], case["num_blocks"],
+                         use_kernel=use_kernel)
+    # The rewrite of the reference's selection, so both kernels are checked alone.
+    reference_keep = select_blocks(case["score"], case["recent"], case["top_k"], case["sink"],
+                                   case["blocks_per_chunk"], case["num_blocks"],
+                                   use_kernel=False).to(device)
+    compact, removed = rewrite_block_table(case["table"].to(device), reference_keep, BLOCK_SIZE,
+                                           use_kernel=use_kernel)
+    return {"keep": keep.cpu(), "compact": compact.cpu(), "removed": removed.cpu()}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("triton-interpreter") / "selection.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECEXTEND_TEST_SEED": str(SEED)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.core.test_selection_triton", str(out)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
+DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernels_equal_the_torch_reference(device, request):
+    if device == "cuda":
+        got = [run_case(make_case(i), True, torch.device("cuda"))
+               for i in range(NUM_CASES)]
+    else:
+        got = request.getfixturevalue("interpreted")
+    for i, kernel in enumerate(got):
+        case = make_case(i)
+        want = run_case(case, False, torch.device("cpu"))
+        message = (f"case {i}: {case['num_blocks']} blocks, top-k {case['top_k']}, "
+                   f"seed {SEED} (SPECEXTEND_TEST_SEED={SEED} repeats it)")
+        for name in want:
+            assert torch.equal(kernel[name], want[name]), f"{name} differs in {message}"
+
+
+if __name__ == "__main__":  # the interpreter worker (TRITON_INTERPRET=1)
+    torch.save([run_case(make_case(i), True, torch.device("cpu"))
+                for i in range(NUM_CASES)], sys.argv[1])
