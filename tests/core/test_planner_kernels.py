@@ -48,11 +48,13 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 def make_planner(options: dict, device: torch.device, kernels: bool) -> RetrievalPlanner:
     options = dict(options)
     draft_window = options.pop("draft_window", 4096)
-    config = SpecExtendConfig(min_context_tokens=1024, sink_tokens=16, recent_tokens=64,
+    # A recent window that ends mid-block; as many request slots as rows.
+    config = SpecExtendConfig(min_context_tokens=1024, sink_tokens=16, recent_tokens=60,
                               chunk_size=32, top_k_chunks=4, retrieval_interval=2, **options)
-    planner = RetrievalPlanner(config, max_num_reqs=8, max_model_len=4096,
+    compact = draft_window < 4096
+    planner = RetrievalPlanner(config, max_num_reqs=5, max_model_len=4096,
                                max_num_speculative_tokens=K, draft_window=draft_window,
-                               compact_positions=draft_window < 4096, device=device)
+                               compact_positions=compact, device=device)
     planner.use_kernels = kernels
     planner.scoring_workspace = ScoringWorkspace.allocate(
         HEADS, KV_HEADS, HEAD_DIM, 8, K + 1, torch.float32, device, use_kernel=kernels,
@@ -68,11 +70,14 @@ def make_planner(options: dict, device: torch.device, kernels: bool) -> Retrieva
 
 
 def steps(device: torch.device) -> list:
-    """Four steps of ``ROWS`` four tokens apart (retrievals due at the first
+    """A step of five other requests; four steps of ``ROWS`` four tokens apart (retrievals due at the first
     and third; some drafts rejected at the second; at the fourth
     ``reduced_k`` drafted nothing and ``full_k``'s last chunk holds one
     token), then one without ``full_k``."""
-    batches = []
+    # First, five other requests retrieve and leave: every slot then holds a
+    # selection that the untracked rows below must not read.
+    batches = [planning_batch([f"other-{i}" for i in range(5)], [K + 1] * 5,
+                              [2000 + 100 * i for i in range(5)], [1000] * 5)]
     for step in range(4):
         rows = dict(ROWS, context_lens=[c + 4 * step - 8 for c in ROWS["context_lens"]])
         if step == 3:
@@ -90,11 +95,13 @@ def run(options: dict, device: torch.device, kernels: bool) -> dict:
     views = []
     for batch in steps(device):
         view = planner.plan(batch)
+        # Copies: on CPU the rows are views of the planner's staging buffers,
+        # which later steps overwrite.
         views.append(None if view is None else {
-            "block_table": view.block_table.cpu(),
-            "removed_tokens": view.removed_tokens.cpu(),
-            "kept_context_lens": view.kept_context_lens.cpu(),
-            "rewrites": [(r.rows.cpu(), r.max_context_len) for r in view.rewrites],
+            "block_table": view.block_table.cpu().clone(),
+            "removed_tokens": view.removed_tokens.cpu().clone(),
+            "kept_context_lens": view.kept_context_lens.cpu().clone(),
+            "rewrites": [(r.rows.cpu().clone(), r.max_context_len) for r in view.rewrites],
         })
     metrics = planner.metrics_snapshot()
     return {"views": views, "scores": planner._score_sums.cpu(),

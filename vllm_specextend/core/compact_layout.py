@@ -6,9 +6,10 @@ working cache are read from the request's own area.
 
 :class:`CompactLayout` is a base of
 :class:`~vllm_specextend.core.planner.RetrievalPlanner`, which sets the
-attributes annotated below and provides ``_sink_blocks``, ``_num_blocks``
-and ``_chunk_scores`` (``_slots_of_rows`` comes from
-:class:`~vllm_specextend.core.request_rows.RequestRows`).
+attributes annotated below and provides ``_sink_blocks`` and ``_num_blocks``
+(``_slots_of_rows`` comes from
+:class:`~vllm_specextend.core.request_rows.RequestRows`, ``_chunk_scores``
+from :class:`~vllm_specextend.core.chunk_scoring.ChunkScoring`).
 """
 
 from __future__ import annotations

@@ -135,6 +135,12 @@ class RetrievalStats:
             self.record_step(slots, seq_lens[rows], removed_tokens[rows],
                              torch.where(verified, gained, 0))
 
+    @property
+    def device_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(per_slot, totals)``, for kernels that record steps themselves
+        (``selection_triton.rewrite_decode_rows``)."""
+        return self._per_slot, self._totals
+
     def warm_up_kernel(self) -> None:
         """Compile :meth:`record_rows`' kernel before serving (it adds zeros),
         for the index dtypes the runners pass (int64 rows, int32 the rest)."""

@@ -14,18 +14,23 @@ prefills (compact positions), rewrite the block table, and record.
 
 The data types live in ``core/draft_view.py``, the per-request state and the
 row classification in ``core/request_rows.py`` (:class:`RequestRows`), the
-windowed prefill layouts and private-layout swaps in
-``core/compact_layout.py`` (:class:`CompactLayout`); both classes are bases
-of :class:`RetrievalPlanner`. This module re-exports the data types.
+chunk scores per request slot in ``core/chunk_scoring.py``
+(:class:`ChunkScoring`), the windowed prefill layouts and private-layout
+swaps in ``core/compact_layout.py`` (:class:`CompactLayout`); the three
+classes are bases of :class:`RetrievalPlanner`. On CUDA (``use_kernels``)
+a step's device work is about ten launches of Triton kernels
+(``core/*_triton.py``) and torch; elsewhere torch ops, the reference the
+kernels are tested against. This module re-exports the data types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from vllm_specextend.core.chunk_scoring import ChunkScoring
 from vllm_specextend.core.compact_layout import CompactLayout
 from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.draft_view import (
@@ -35,18 +40,10 @@ from vllm_specextend.core.draft_view import (
     WorkingCacheRewrite,
 )
 from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.request_rows import (
-    RequestRows,
-    StepRows,
-    decode_rows,
-)
-from vllm_specextend.core.scoring import (
-    ScoringWorkspace,
-    chunk_attention_sums,
-    chunk_token_counts,
-)
-from vllm_specextend.core.scoring_triton import gather_query_rows, store_chunk_means
+from vllm_specextend.core.request_rows import RequestRows, StagedRows, StepRows, decode_rows
+from vllm_specextend.core.scoring import ScoringWorkspace
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
+from vllm_specextend.core.selection_triton import rewrite_decode_rows, select_blocks_into_slots
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
 
@@ -61,17 +58,7 @@ __all__ = [
 ]
 
 
-@dataclass
-class _StagedRows:
-    """Device index tensors of the classified rows and their request slots."""
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    due: torch.Tensor
-    due_slots: torch.Tensor
-
-
-class RetrievalPlanner(RequestRows, CompactLayout):
+class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
     """Chooses, per request and step, the KV blocks the draft attends to."""
 
     def __init__(
@@ -117,6 +104,7 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         """Per request slot: leading kept blocks held in its private area."""
         self.layouts_in_place = 0
         """Requests laid out in place for want of a free private area."""
+        self._slot_of_row = np.full(max_num_reqs, -1, dtype=np.int64)
         self.use_kernels = device.type == "cuda"
         """Select blocks and rewrite tables with the Triton kernels
         (``core/selection_triton.py``), as on CUDA."""
@@ -161,7 +149,8 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         if self.use_kernels:
             from vllm_specextend.core.selection_triton import warm_up
 
-            warm_up(self.device)
+            assert self._selected_blocks is not None
+            warm_up(self._selected_blocks, *self.stats.device_counters)
             self.stats.warm_up_kernel()
 
     def _allocate_selection_state(self) -> None:
@@ -204,12 +193,13 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         if step.empty:
             return None
         staged = self._stage(batch, step)
+        if self.config.mode == "cmr":
+            self._score(batch, step, staged)
+        if self.use_kernels and not step.windowed_prefill_rows.size:
+            return self._plan_decode_rows_on_kernels(batch, step, staged)
         num_reqs = batch.num_reqs
         query_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1])[:num_reqs]
         first_query_pos = batch.seq_lens[:num_reqs] - query_lens
-        if self.config.mode == "cmr":
-            self._score(batch, step, staged)
-
         num_rows = batch.seq_lens.shape[0]
         keep = torch.ones(
             num_rows, batch.block_table.shape[1], dtype=torch.bool, device=self.device
@@ -244,44 +234,55 @@ class RetrievalPlanner(RequestRows, CompactLayout):
             kept_block_table=kept_block_table,
         )
 
-    def _stage(self, batch: PlanningBatch, step: StepRows) -> _StagedRows:
-        return _StagedRows(*self._index_stager.next_step().stage(
-            step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots))
+    def _plan_decode_rows_on_kernels(
+        self, batch: PlanningBatch, step: StepRows, staged: StagedRows
+    ) -> DraftView:
+        """:meth:`plan` after scoring for a step without windowed prompt
+        chunks, on CUDA: the selection written into the due slots (a sort and
+        a launch) and the rewrite, kept lengths and record in one more launch;
+        the torch path (the rest of ``plan``) is the reference."""
+        assert self._selected_blocks is not None
+        rewrites: list[WorkingCacheRewrite] = []
+        if step.due_rows.size:
+            rewrites += self._retrieve(batch, step, staged, None)
+        compact, removed, kept_context_lens = rewrite_decode_rows(
+            batch.block_table[: batch.seq_lens.shape[0]], self._selected_blocks,
+            staged.slot_of_row, self._num_blocks(batch), batch.seq_lens,
+            batch.query_start_loc, batch.last_token_indices, self.block_size,
+            *self.stats.device_counters)
+        self.stats.compacted_request_steps += int(step.retrieval_rows.size)
+        kept_block_table = None
+        if step.private_rows.size:
+            kept_block_table = compact
+            compact = self._swap_in_private_blocks(batch, step, compact, kept_context_lens)
+        return DraftView(block_table=compact, removed_tokens=removed,
+                         kept_context_lens=kept_context_lens, rewrites=rewrites,
+                         kept_block_table=kept_block_table)
+
+    def _stage(self, batch: PlanningBatch, step: StepRows) -> StagedRows:
+        slot_of_row = self._slot_of_row[: batch.num_reqs]
+        slot_of_row.fill(-1)
+        slot_of_row[step.retrieval_rows] = step.retrieval_slots
+        return StagedRows(*self._index_stager.next_step().stage(
+            step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots,
+            slot_of_row))
 
     def _num_blocks(self, batch: PlanningBatch) -> int:
         assert self._selected_blocks is not None
         return min(batch.block_table.shape[1], self._selected_blocks.shape[1])
 
-    def _score(self, batch: PlanningBatch, step: StepRows, staged: _StagedRows) -> None:
-        """cmr: chunk scores from the target's last layer, for the rows due
-        (``last_token``) or every retrieval row (``accepted_tokens``)."""
-        accumulate = self.config.score_aggregation == "accepted_tokens"
-        score_rows = step.retrieval_rows if accumulate else step.due_rows
-        if not score_rows.size:
-            return
-        assert step.seq_lens is not None
-        self._accumulate_scores(
-            staged.rows if accumulate else staged.due,
-            staged.slots if accumulate else staged.due_slots,
-            batch,
-            int(step.seq_lens[score_rows].max()),
-            accumulate=accumulate,
-        )
-
     def _retrieve(
         self,
         batch: PlanningBatch,
         step: StepRows,
-        staged: _StagedRows,
-        first_query_pos: torch.Tensor,
+        staged: StagedRows,
+        first_query_pos: torch.Tensor | None,
     ) -> list[WorkingCacheRewrite]:
-        """New selections for the rows due: sink + top-k chunks + recent."""
+        """New selections for the rows due: sink + top-k chunks + recent
+        (``first_query_pos``: the rows' query starts; None on the kernels)."""
         config = self.config
         assert self._selected_blocks is not None and self._score_sums is not None
         due, due_slots = staged.due, staged.due_slots
-        recent_start_block = (
-            (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
-        )
         if config.mode == "cmr":
             scores = self._score_sums[due_slots]
         else:
@@ -290,16 +291,20 @@ class RetrievalPlanner(RequestRows, CompactLayout):
             scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
             scores = scores.expand(len(step.due_rows), num_chunks)
         num_blocks = self._num_blocks(batch)
-        keep = select_blocks(
-            scores,
-            recent_start_block,
-            top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
-            sink_blocks=self._sink_blocks,
-            blocks_per_chunk=self.chunk_size // self.block_size,
-            num_blocks=num_blocks,
-            use_kernel=self.use_kernels,
-        )
-        self._selected_blocks[due_slots, :num_blocks] = keep
+        selection = dict(top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
+                         sink_blocks=self._sink_blocks,
+                         blocks_per_chunk=self.chunk_size // self.block_size,
+                         num_blocks=num_blocks)
+        if first_query_pos is None:  # on the kernels: the window's start found there
+            select_blocks_into_slots(scores, due, due_slots, batch.seq_lens,
+                                     batch.query_start_loc, self._selected_blocks,
+                                     config.recent_tokens, self.block_size, **selection)
+        else:
+            recent_start_block = (
+                (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
+            )
+            self._selected_blocks[due_slots, :num_blocks] = select_blocks(
+                scores, recent_start_block, use_kernel=self.use_kernels, **selection)
         if config.score_aggregation == "accepted_tokens":
             # A fill through device indices (a Python scalar through an
             # index would be copied to the device, blocking).
@@ -313,7 +318,7 @@ class RetrievalPlanner(RequestRows, CompactLayout):
         )
         return [WorkingCacheRewrite(due, working_cache)]
 
-    def _record(self, batch: PlanningBatch, staged: _StagedRows, removed: torch.Tensor) -> None:
+    def _record(self, batch: PlanningBatch, staged: StagedRows, removed: torch.Tensor) -> None:
         self.stats.record_rows(
             staged.rows, staged.slots, batch.seq_lens, removed, batch.last_token_indices,
             batch.query_start_loc, use_kernel=self.use_kernels,
@@ -322,76 +327,6 @@ class RetrievalPlanner(RequestRows, CompactLayout):
     @property
     def _sink_blocks(self) -> int:
         return -(-self.config.sink_tokens // self.block_size)
-
-    def _accumulate_scores(
-        self,
-        rows_t: torch.Tensor,
-        slots: torch.Tensor,
-        batch: PlanningBatch,
-        max_context_len: int,
-        accumulate: bool,
-    ) -> None:
-        """Chunk scores of the given batch rows, added to (``accumulate``:
-        scored from their ``K + 1`` query rows) or written over (from their
-        last token) their slots' scores."""
-        assert self._score_sums is not None and self.scoring_workspace is not None
-        num_query_rows = self.max_num_speculative_tokens + 1 if accumulate else 1
-        if self.scoring_workspace.use_kernel:
-            # The mean and the store in one launch, for the ~8 ops below.
-            sums = self._chunk_sums(rows_t, batch, max_context_len, num_query_rows)
-            store_chunk_means(sums, rows_t, batch.seq_lens, slots, self._score_sums,
-                              self.chunk_size, accumulate)
-            return
-        scores = self._chunk_scores(rows_t, batch, max_context_len, num_query_rows)
-        width = min(scores.shape[1], self._score_sums.shape[1])
-        if accumulate:
-            self._score_sums[slots, :width] += scores[:, :width]
-        else:
-            self._score_sums.index_fill_(0, slots, 0.0)
-            self._score_sums[slots, :width] = scores[:, :width]
-
-    def _chunk_scores(
-        self,
-        rows_t: torch.Tensor,
-        batch: PlanningBatch,
-        max_context_len: int,
-        num_query_rows: int,
-    ) -> torch.Tensor:
-        """Mean attention per token of each chunk, from the target's last
-        layer, for the last ``num_query_rows`` tokens of the given rows."""
-        sums = self._chunk_sums(rows_t, batch, max_context_len, num_query_rows)
-        counts = chunk_token_counts(batch.seq_lens[rows_t], sums.shape[1], self.chunk_size)
-        return sums / counts.clamp(min=1)
-
-    def _chunk_sums(
-        self,
-        rows_t: torch.Tensor,
-        batch: PlanningBatch,
-        max_context_len: int,
-        num_query_rows: int,
-    ) -> torch.Tensor:
-        """:func:`chunk_attention_sums` of the given rows, over all ranks."""
-        tap, workspace = self.tap, self.scoring_workspace
-        assert tap is not None and workspace is not None
-        if workspace.use_kernel:
-            # One launch for the ~12 ops below.
-            queries, query_positions, tables = gather_query_rows(
-                rows_t, batch.last_token_indices, batch.query_start_loc, batch.positions,
-                tap.queries, batch.block_table, num_query_rows)
-        else:
-            last = batch.last_token_indices[rows_t].long()
-            query_index = last.view(-1, 1) - torch.arange(
-                num_query_rows, device=self.device
-            ).view(1, -1)
-            valid = query_index >= batch.query_start_loc[rows_t].view(-1, 1)
-            query_index = query_index.clamp(min=0)
-            query_positions = torch.where(valid, batch.positions[query_index], -1)
-            queries, tables = tap.queries[query_index], batch.block_table[rows_t]
-        sums = chunk_attention_sums(
-            queries, query_positions, tap.keys, tables, max_context_len, tap.scale,
-            self.block_size, self.chunk_size, workspace,
-        )
-        return sums if self._sum_over_ranks is None else self._sum_over_ranks(sums)
 
     # ---- per-request state ------------------------------------------------
 

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.draft_view import PlanningBatch, PrivateLayouts
@@ -95,6 +96,18 @@ class StepRows:
     @property
     def empty(self) -> bool:
         return not self.retrieval_rows.size and not self.windowed_prefill_rows.size
+
+
+@dataclass
+class StagedRows:
+    """Device index tensors of the classified rows and their request slots."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    due: torch.Tensor
+    due_slots: torch.Tensor
+    slot_of_row: torch.Tensor
+    """``[num_reqs]``: each row's request slot if it retrieves, else -1."""
 
 
 class RequestRows:

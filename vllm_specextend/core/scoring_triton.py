@@ -251,7 +251,7 @@ def _tiles_per_split(tiles: int, programs_per_split: int) -> int:
 
 
 def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton scoring kernels run on CPU tensors only under "
                            "TRITON_INTERPRET=1, set before triton is imported")
 

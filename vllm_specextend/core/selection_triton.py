@@ -32,20 +32,53 @@ def select_blocks_triton(
     num_blocks: int,
 ) -> torch.Tensor:
     """``select_blocks`` on the kernel (arguments and result as there)."""
-    batch, num_chunks = chunk_score.shape
+    batch = chunk_score.shape[0]
     keep = torch.empty(batch, num_blocks, dtype=torch.bool, device=chunk_score.device)
+    _select(chunk_score, keep, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks,
+            recent=retrieval_end_block)
+    return keep
+
+
+def select_blocks_into_slots(
+    chunk_score: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    selected: torch.Tensor,
+    recent_tokens: int,
+    block_size: int,
+    top_k_chunks: int,
+    sink_blocks: int,
+    blocks_per_chunk: int,
+    num_blocks: int,
+) -> None:
+    """``select_blocks`` for batch ``rows`` (chunk scores row by row), each
+    row's recent window starting ``recent_tokens`` before its query (rounded
+    down to a block), written to ``selected[slots, :num_blocks]``: the
+    planner's ~8 ops around the selection in this one launch and a sort."""
+    _select(chunk_score, selected, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks,
+            batch_rows=(rows, slots, seq_lens, query_start_loc),
+            recent_tokens=recent_tokens, block_size=block_size)
+
+
+def _select(chunk_score, keep, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks, *,
+            recent=None, batch_rows=None, recent_tokens=0, block_size=1) -> None:
+    batch, num_chunks = chunk_score.shape
     if batch == 0 or num_blocks == 0:
-        return keep
+        return
     _check_device(chunk_score)
     score = chunk_score.float().contiguous()
     order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    rows, keep_rows, seq_lens, starts = batch_rows or (order, order, order, order)
     _kernels().select[(batch,)](
-        score, order, retrieval_end_block, keep.view(torch.int8),
+        score, order, order if recent is None else recent, keep.view(torch.int8),
+        rows, keep_rows, seq_lens, starts,
         score.stride(0), order.stride(0), keep.stride(0),
-        num_chunks, num_blocks, top_k_chunks, sink_blocks, blocks_per_chunk,
+        num_chunks, num_blocks, top_k_chunks, sink_blocks, blocks_per_chunk, recent_tokens,
+        block_size, FROM_BATCH=batch_rows is not None,
         BLOCK_C=CHUNKS_PER_STEP, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
     )
-    return keep
 
 
 def rewrite_block_table_triton(
@@ -60,23 +93,68 @@ def rewrite_block_table_triton(
     _check_device(block_table)
     _kernels().compact[(batch,)](
         block_table, keep.view(torch.int8), compact, removed,
+        removed, removed, removed, removed, removed, removed, removed,
         block_table.stride(0), keep.stride(0), compact.stride(0), num_blocks, block_size,
-        BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
+        0, num_blocks, FROM_SLOTS=False, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
     )
     return compact, removed
 
 
-def warm_up(device: torch.device, table_dtype: torch.dtype = torch.int32) -> None:
-    """Compile both kernels before serving (a first compile takes seconds),
-    with the argument types the planner passes."""
+def rewrite_decode_rows(
+    block_table: torch.Tensor,
+    selected: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    num_blocks_selected: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    last_token_indices: torch.Tensor,
+    block_size: int,
+    per_slot: torch.Tensor,
+    totals: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's plan after selection, in one launch: each row's table
+    rewritten to its request slot's selection (``selected[slot_of_row[row],
+    :num_blocks_selected]``; rows past ``slot_of_row`` or with slot -1 keep
+    everything), the tokens removed, the kept context lengths of the first
+    ``len(slot_of_row)`` rows, and the step recorded in the retrieval
+    counters ``per_slot`` and ``totals`` (``RetrievalStats.record_rows``).
+    The planner's torch path does this in ~20 ops; it is the reference."""
+    batch, num_blocks = block_table.shape
+    num_reqs = slot_of_row.shape[0]
+    compact = torch.empty_like(block_table)
+    removed = torch.empty(batch, dtype=torch.int32, device=block_table.device)
+    kept_lens = torch.empty(num_reqs, dtype=torch.int32, device=block_table.device)
+    if batch == 0:
+        return compact, removed, kept_lens
+    _check_device(block_table)
+    _kernels().compact[(batch,)](
+        block_table, selected.view(torch.int8), compact, removed,
+        slot_of_row, seq_lens, query_start_loc, last_token_indices, kept_lens, per_slot, totals,
+        block_table.stride(0), selected.stride(0), compact.stride(0), num_blocks, block_size,
+        num_reqs, num_blocks_selected, FROM_SLOTS=True, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
+    )
+    return compact, removed, kept_lens
+
+
+def warm_up(selected: torch.Tensor, per_slot: torch.Tensor, totals: torch.Tensor) -> None:
+    """Compile the kernels before serving (a first compile takes seconds),
+    for both paths of the planner, with the argument types it passes (int64
+    staged rows and slots, int32 block tables, sequence lengths and query
+    starts). Writes only what an empty step leaves as it was: slot 0's
+    selection keeps everything and records a zero step."""
+    device = selected.device
     score = torch.zeros(1, 2, dtype=torch.float32, device=device)
-    recent = torch.ones(1, dtype=torch.int32, device=device)
-    keep = select_blocks_triton(score, recent, 1, 0, 1, 2)
-    rewrite_block_table_triton(torch.zeros(1, 2, dtype=table_dtype, device=device), keep, 16)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    zeros = torch.zeros(2, dtype=torch.int32, device=device)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    keep = select_blocks_triton(score, zeros[:1], 1, 0, 1, 2)
+    rewrite_block_table_triton(table, keep, 16)
+    select_blocks_into_slots(score, index, index, zeros, zeros, selected, 0, 16, 0, 0, 1, 2)
+    rewrite_decode_rows(table, selected, index, 2, zeros, zeros, zeros[:1], 16, per_slot, totals)
 
 
 def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton selection kernels run on CPU tensors only under "
                            "TRITON_INTERPRET=1, set before triton is imported")
 
@@ -96,7 +174,8 @@ def _kernels() -> _Kernels:
     return _Kernels(
         triton.jit(source.select_blocks_kernel, do_not_specialize=[
             "score_stride", "order_stride", "keep_stride", "num_chunks", "num_blocks",
-            "top_k", "sink_blocks", "blocks_per_chunk"]),
+            "top_k", "sink_blocks", "blocks_per_chunk", "recent_tokens", "block_size"]),
         triton.jit(source.compact_block_table_kernel, do_not_specialize=[
-            "table_stride", "keep_stride", "out_stride", "num_blocks", "block_size"]),
+            "table_stride", "keep_stride", "out_stride", "num_blocks", "block_size",
+            "num_reqs", "keep_width"]),
     )
