@@ -420,7 +420,7 @@ def write(result: dict, out_dir: Path) -> str:
             lines.append(
                 f"| {size['batch']} x {size['context']} | {path} "
                 f"| {r['plan_ms']:.3f} ({r['plan_min_ms']:.3f}) "
-                f"| {r['profile']['host_ms_per_call'] if 'profile' in r else float('nan'):.3f} "
+                f"| {format(r['profile']['host_ms_per_call'], '.3f') if 'profile' in r else '-'} "
                 f"| {r['chunk_attention_sums_ms']:.3f} ({r['chunk_attention_sums_min_ms']:.3f}) "
                 f"| {r['select_blocks_ms']:.3f} "
                 f"| {r['rewrite_block_table_ms']:.3f} | {size['scoring_bytes_read'] / 1e9:.3f} GB "
