@@ -12,10 +12,12 @@ must be set before triton is imported, see test_scoring_triton.py); with
 CUDA the same rows run on the device too. The seed is fresh per run and
 named in each failure (SPECEXTEND_TEST_SEED=N repeats one).
 
-Mutations that fail these tests (each tried): ties picked by the later chunk
-(sort not stable); -inf chunks picked; the recent window's own chunks made
-candidates; picks past the first loop step dropped; removed blocks written
-before the kept ones.
+Mutations that fail these tests (each tried): -inf chunks made candidates;
+-0.0 ranked below 0.0 (a sort ties them); one tie too many picked; ties
+ranked per loop step instead of per row; the recent window's own chunks
+made candidates; removed blocks written before the kept ones; the kept
+count not carried across loop steps. (Taking the (k+1)-th key as the
+threshold is equivalent, so it passes.)
 """
 
 from __future__ import annotations

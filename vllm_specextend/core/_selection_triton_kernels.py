@@ -1,60 +1,112 @@
 """Triton kernels of ``core/selection_triton.py`` (see its docstring), as
 plain functions: ``selection_triton._kernels`` jits them on first use, for
-the GPU or for Triton's interpreter. One program per row."""
+the GPU or for Triton's interpreter (this module is imported then, so its
+helper is jitted after TRITON_INTERPRET is read). One program per row."""
 
+import triton
 import triton.language as tl
 
 
+@triton.jit
+def _candidate_keys(score_row, chunk, num_chunks, recent, sink_blocks, blocks_per_chunk,
+                    BY_POSITION: tl.constexpr):
+    """Each chunk's score as an integer in the scores' order (0 .. 2^32 - 1),
+    -1 where the chunk is no candidate: not a whole chunk between the sink
+    and the recent window, or scored -inf. ``BY_POSITION``: the chunk's
+    index is its score (streaming: the most recent chunks win)."""
+    in_row = chunk < num_chunks
+    if BY_POSITION:
+        key = chunk.to(tl.int64)
+        finite = in_row
+    else:
+        score = tl.load(score_row + chunk, mask=in_row, other=0.0)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as in a sort
+        bits = score.to(tl.int32, bitcast=True)
+        # Flip the magnitude of negatives: the integers then order as the floats.
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = ordered.to(tl.int64) + 2147483648
+        finite = in_row & (score > -float("inf"))
+    candidate = (finite & ((chunk + 1) * blocks_per_chunk <= recent)
+                 & (chunk * blocks_per_chunk >= sink_blocks))
+    return tl.where(candidate, key, -1)
+
+
 def select_blocks_kernel(
-    score_ptr, order_ptr, recent_ptr, keep_ptr,
-    rows_ptr, keep_rows_ptr, seq_lens_ptr, start_ptr,
-    score_stride, order_stride, keep_stride,
+    score_ptr, recent_ptr, keep_ptr, rows_ptr, keep_rows_ptr, seq_lens_ptr, start_ptr,
+    score_stride, keep_stride,
     num_chunks, num_blocks, top_k, sink_blocks, blocks_per_chunk, recent_tokens, block_size,
-    FROM_BATCH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+    FROM_BATCH: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     """A row's kept blocks: the sink, everything from the recent window's
-    first block, and the blocks of the first ``top_k`` candidate chunks (whole
-    chunks between the sink and the recent window, with a finite score) in
-    ``order`` (the row's chunks by descending score, stable).
+    first block, and the blocks of its ``top_k`` best candidate chunks
+    (whole chunks between the sink and the recent window, with a finite
+    score; ties go to the earlier chunk).
+
+    The top-k without a sort: a radix select finds the k-th best key bit by
+    bit (32 counting passes over the row's scores), then the chunks above it
+    and the earliest of those equal to it are picked.
 
     ``FROM_BATCH``: row ``i`` is batch row ``rows[i]``, whose recent window
     starts ``recent_tokens`` before its query (from ``seq_lens`` and the
-    query starts), and its mask is written to ``keep`` row ``keep_rows[i]``;
-    else the window's first block is ``recent[i]`` and the mask row ``i``."""
+    query starts); its scores and its mask are row ``keep_rows[i]`` of
+    ``score`` and ``keep`` (request slots). Else the window's first block is
+    ``recent[i]`` and the rows are ``i``."""
     i = tl.program_id(0).to(tl.int64)
     if FROM_BATCH:
         row = tl.load(rows_ptr + i).to(tl.int64)
         query_len = tl.load(start_ptr + row + 1) - tl.load(start_ptr + row)
         first_query_pos = tl.load(seq_lens_ptr + row) - query_len
         recent = (tl.maximum(first_query_pos - recent_tokens, 0) // block_size).to(tl.int32)
-        keep_row = keep_ptr + tl.load(keep_rows_ptr + i).to(tl.int64) * keep_stride
+        out_row = tl.load(keep_rows_ptr + i).to(tl.int64)
     else:
         recent = tl.load(recent_ptr + i).to(tl.int32)
-        keep_row = keep_ptr + i * keep_stride
+        out_row = i
+    keep_row = keep_ptr + out_row * keep_stride
+    score_row = score_ptr + out_row * score_stride
     b = tl.arange(0, BLOCK_B)
     for start in range(0, num_blocks, BLOCK_B):
         block = start + b
         tl.store(keep_row + block, ((block < sink_blocks) | (block >= recent)).to(tl.int8),
                  mask=block < num_blocks)
-    # The picks below write blocks this row's first loop wrote: order them.
-    tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
-    picked = tl.zeros((), tl.int32)
-    start = 0
-    while (start < num_chunks) & (picked < top_k):
-        rank = start + c
-        in_row = rank < num_chunks
-        chunk = tl.load(order_ptr + i * order_stride + rank, mask=in_row, other=0).to(tl.int32)
-        score = tl.load(score_ptr + i * score_stride + chunk, mask=in_row, other=0.0)
-        candidate = (in_row & ((chunk + 1) * blocks_per_chunk <= recent)
-                     & (chunk * blocks_per_chunk >= sink_blocks) & (score > -float("inf")))
-        pick = candidate & (picked + tl.cumsum(candidate.to(tl.int32), 0) <= top_k)
+    num_candidates = tl.zeros((), tl.int32)
+    for start in range(0, num_chunks, BLOCK_C):
+        key = _candidate_keys(score_row, start + c, num_chunks, recent, sink_blocks,
+                              blocks_per_chunk, BY_POSITION)
+        num_candidates += tl.sum((key >= 0).to(tl.int32), 0)
+    k = tl.minimum(num_candidates, top_k)
+    # The k-th best key: the largest threshold that k keys reach.
+    threshold = tl.zeros((), tl.int64)
+    for n in range(32):
+        trial = threshold | (tl.full((), 1, tl.int64) << (31 - n))
+        reaching = tl.zeros((), tl.int32)
+        for start in range(0, num_chunks, BLOCK_C):
+            key = _candidate_keys(score_row, start + c, num_chunks, recent, sink_blocks,
+                                  blocks_per_chunk, BY_POSITION)
+            reaching += tl.sum((key >= trial).to(tl.int32), 0)
+        threshold = tl.where(reaching >= k, trial, threshold)
+    above = tl.zeros((), tl.int32)
+    for start in range(0, num_chunks, BLOCK_C):
+        key = _candidate_keys(score_row, start + c, num_chunks, recent, sink_blocks,
+                              blocks_per_chunk, BY_POSITION)
+        above += tl.sum((key > threshold).to(tl.int32), 0)
+    # The picks write blocks the first loop wrote: order them.
+    tl.debug_barrier()
+    ties_before = tl.zeros((), tl.int32)
+    for start in range(0, num_chunks, BLOCK_C):
+        chunk = start + c
+        key = _candidate_keys(score_row, chunk, num_chunks, recent, sink_blocks,
+                              blocks_per_chunk, BY_POSITION)
+        tie = (key == threshold) & (key >= 0)
+        tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0)
+        # (k = 0: the threshold is 2^32 - 1, which no key exceeds.)
+        pick = (key > threshold) | (tie & (tie_rank <= k - above))
         for j in range(blocks_per_chunk):
             block = chunk * blocks_per_chunk + j
             tl.store(keep_row + block, tl.full((BLOCK_C,), 1, tl.int8),
                      mask=pick & (block < num_blocks))
-        picked += tl.sum(candidate.to(tl.int32), 0)
-        start += BLOCK_C
+        ties_before += tl.sum(tie.to(tl.int32), 0)
 
 
 def compact_block_table_kernel(

@@ -283,23 +283,24 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         config = self.config
         assert self._selected_blocks is not None and self._score_sums is not None
         due, due_slots = staged.due, staged.due_slots
-        if config.mode == "cmr":
-            scores = self._score_sums[due_slots]
-        else:
-            # Streaming: the most recent chunks win the top-k.
-            num_chunks = self._score_sums.shape[1]
-            scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
-            scores = scores.expand(len(step.due_rows), num_chunks)
         num_blocks = self._num_blocks(batch)
         selection = dict(top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
                          sink_blocks=self._sink_blocks,
                          blocks_per_chunk=self.chunk_size // self.block_size,
                          num_blocks=num_blocks)
-        if first_query_pos is None:  # on the kernels: the window's start found there
-            select_blocks_into_slots(scores, due, due_slots, batch.seq_lens,
+        if first_query_pos is None:  # on the kernels: slots and windows read there
+            select_blocks_into_slots(self._score_sums, due, due_slots, batch.seq_lens,
                                      batch.query_start_loc, self._selected_blocks,
-                                     config.recent_tokens, self.block_size, **selection)
+                                     config.recent_tokens, self.block_size,
+                                     by_position=config.mode != "cmr", **selection)
         else:
+            if config.mode == "cmr":
+                scores = self._score_sums[due_slots]
+            else:
+                # Streaming: the most recent chunks win the top-k.
+                num_chunks = self._score_sums.shape[1]
+                scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
+                scores = scores.expand(len(step.due_rows), num_chunks)
             recent_start_block = (
                 (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
             )

@@ -3,12 +3,14 @@
 :func:`~vllm_specextend.core.selection.rewrite_block_table` on CUDA.
 
 The torch versions (``core/selection.py``, the reference on CPU) take about
-twenty small kernels and eight; these take a sort and one kernel, and one
-kernel. Selection walks each row's chunks by descending score (``torch.sort``,
-stable, so ties go to the earlier chunk) and marks the blocks of the first
-``top_k`` candidates; the rewrite moves a row's kept blocks to the front in
-one pass (a count, then the ranks). Launches only: no host sync. CPU tensors
-run under Triton's interpreter (tests)."""
+twenty small kernels and eight; these take one each. Selection finds each
+row's top-k candidate chunks without a sort (a radix select over the score
+bits, ties to the earlier chunk as the reference's stable sort gives them)
+and marks their blocks; the rewrite moves a row's kept blocks to the front
+in one pass (a count, then the ranks). The planner's decode steps use the
+variants that read and write request slots directly and fold the record in
+(:func:`select_blocks_into_slots`, :func:`rewrite_decode_rows`). Launches
+only: no host sync. CPU tensors run under Triton's interpreter (tests)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import os
 
 import torch
 
-CHUNKS_PER_STEP = 256
-"""Chunks of a row's order looked at per loop step of the selection kernel."""
+CHUNKS_PER_STEP = 1024
+"""Chunks of a row the selection kernel reads per loop step."""
 BLOCKS_PER_STEP = 1024
 """Block-table entries per loop step of both kernels."""
 
@@ -34,13 +36,13 @@ def select_blocks_triton(
     """``select_blocks`` on the kernel (arguments and result as there)."""
     batch = chunk_score.shape[0]
     keep = torch.empty(batch, num_blocks, dtype=torch.bool, device=chunk_score.device)
-    _select(chunk_score, keep, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks,
-            recent=retrieval_end_block)
+    _select(chunk_score.float().contiguous(), keep, top_k_chunks, sink_blocks,
+            blocks_per_chunk, num_blocks, num_rows=batch, recent=retrieval_end_block)
     return keep
 
 
 def select_blocks_into_slots(
-    chunk_score: torch.Tensor,
+    score_sums: torch.Tensor,
     rows: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -52,31 +54,31 @@ def select_blocks_into_slots(
     sink_blocks: int,
     blocks_per_chunk: int,
     num_blocks: int,
+    by_position: bool = False,
 ) -> None:
-    """``select_blocks`` for batch ``rows`` (chunk scores row by row), each
-    row's recent window starting ``recent_tokens`` before its query (rounded
-    down to a block), written to ``selected[slots, :num_blocks]``: the
-    planner's ~8 ops around the selection in this one launch and a sort."""
-    _select(chunk_score, selected, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks,
-            batch_rows=(rows, slots, seq_lens, query_start_loc),
-            recent_tokens=recent_tokens, block_size=block_size)
+    """``select_blocks`` for batch ``rows`` of requests in ``slots``: the
+    scores of slot ``s`` are ``score_sums[s]`` (``by_position``: each chunk's
+    index, as streaming ranks them), each row's recent window starts
+    ``recent_tokens`` before its query (rounded down to a block), and the
+    mask is written to ``selected[s, :num_blocks]``. One launch for the
+    planner's ~10 ops around the selection."""
+    _select(score_sums, selected, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks,
+            num_rows=rows.shape[0], batch_rows=(rows, slots, seq_lens, query_start_loc),
+            recent_tokens=recent_tokens, block_size=block_size, by_position=by_position)
 
 
-def _select(chunk_score, keep, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks, *,
-            recent=None, batch_rows=None, recent_tokens=0, block_size=1) -> None:
-    batch, num_chunks = chunk_score.shape
-    if batch == 0 or num_blocks == 0:
+def _select(score, keep, top_k_chunks, sink_blocks, blocks_per_chunk, num_blocks, *,
+            num_rows, recent=None, batch_rows=None, recent_tokens=0, block_size=1,
+            by_position=False) -> None:
+    if num_rows == 0 or num_blocks == 0:
         return
-    _check_device(chunk_score)
-    score = chunk_score.float().contiguous()
-    order = torch.sort(score, dim=1, descending=True, stable=True).indices
-    rows, keep_rows, seq_lens, starts = batch_rows or (order, order, order, order)
-    _kernels().select[(batch,)](
-        score, order, order if recent is None else recent, keep.view(torch.int8),
-        rows, keep_rows, seq_lens, starts,
-        score.stride(0), order.stride(0), keep.stride(0),
-        num_chunks, num_blocks, top_k_chunks, sink_blocks, blocks_per_chunk, recent_tokens,
-        block_size, FROM_BATCH=batch_rows is not None,
+    _check_device(keep)
+    rows, keep_rows, seq_lens, starts = batch_rows or (keep, keep, keep, keep)
+    _kernels().select[(num_rows,)](
+        score, keep if recent is None else recent, keep.view(torch.int8),
+        rows, keep_rows, seq_lens, starts, score.stride(0), keep.stride(0),
+        score.shape[1], num_blocks, top_k_chunks, sink_blocks, blocks_per_chunk, recent_tokens,
+        block_size, FROM_BATCH=batch_rows is not None, BY_POSITION=by_position,
         BLOCK_C=CHUNKS_PER_STEP, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
     )
 
@@ -149,7 +151,9 @@ def warm_up(selected: torch.Tensor, per_slot: torch.Tensor, totals: torch.Tensor
     table = torch.zeros(1, 2, dtype=torch.int32, device=device)
     keep = select_blocks_triton(score, zeros[:1], 1, 0, 1, 2)
     rewrite_block_table_triton(table, keep, 16)
-    select_blocks_into_slots(score, index, index, zeros, zeros, selected, 0, 16, 0, 0, 1, 2)
+    for by_position in (False, True):
+        select_blocks_into_slots(score, index, index, zeros, zeros, selected, 0, 16, 0, 0, 1, 2,
+                                 by_position=by_position)
     rewrite_decode_rows(table, selected, index, 2, zeros, zeros, zeros[:1], 16, per_slot, totals)
 
 
@@ -173,7 +177,7 @@ def _kernels() -> _Kernels:
 
     return _Kernels(
         triton.jit(source.select_blocks_kernel, do_not_specialize=[
-            "score_stride", "order_stride", "keep_stride", "num_chunks", "num_blocks",
+            "score_stride", "keep_stride", "num_chunks", "num_blocks",
             "top_k", "sink_blocks", "blocks_per_chunk", "recent_tokens", "block_size"]),
         triton.jit(source.compact_block_table_kernel, do_not_specialize=[
             "table_stride", "keep_stride", "out_stride", "num_blocks", "block_size",
