@@ -13,10 +13,11 @@ blocks kept from them equal the reference's, and every host sync found in a
 planning call and in each function (``torch.cuda.set_sync_debug_mode("warn")``,
 warnings and stacks collected).
 
-The H100 run, one call from the repository root (results to commit in
-benchmarks/results/gpu-kernels/):
+The H100 run, one call from the repository root (results in
+benchmarks/results/gpu-kernels/; ``--profile`` adds each planning call's host
+time and kernels):
 
-    python3 -m benchmarks.gpu_kernels --device cuda --repeats 20 --out benchmarks/results/gpu-kernels
+    python3 -m benchmarks.gpu_kernels --device cuda --repeats 30 --profile --out benchmarks/results/gpu-kernels
 
 (on a lent machine write to ``--out "$OUT/gpu-kernels"`` and copy the folder back; without
 matplotlib there, redraw the PNG with ``--replot DIR``).
@@ -59,6 +60,8 @@ GPU_GRID = [(8, 32768), (64, 32768), (256, 4096), (4, 131072)]
 CPU_GRID = [(2, 4096), (8, 4096), (1, 16384)]
 PATH_COLOURS = {"torch": "tab:blue", "triton": "tab:orange"}
 REPO = Path(__file__).resolve().parent.parent
+SYNC_DEBUG_NOTICE = "Synchronization debug mode is a prototype feature"
+"""torch's one-time notice on entering the mode: not a sync."""
 
 
 class _Layer:
@@ -174,6 +177,8 @@ def _sync_sites(device: torch.device, calls: dict) -> dict:
         sites = []
 
         def record(message, category, filename, lineno, file=None, line=None):
+            if str(message).startswith(SYNC_DEBUG_NOTICE):
+                return
             stack = traceback.extract_stack()[:-1]
             ours = [f for f in stack if str(REPO) in f.filename and "gpu_kernels" not in f.filename]
             where = ours[-1] if ours else stack[-1]
