@@ -62,10 +62,33 @@ def read_timers(worker) -> dict[str, Any]:
 
 
 def reconfigure_drafter(worker, options: dict) -> None:
-    """Swap the SpecExtend drafter's options (``mode: off`` drafts as stock)."""
-    from vllm_specextend.core.options import SpecExtendConfig
+    """Swap the SpecExtend drafter's options between runs, so that one engine
+    serves several configurations: retrieval's through its planner's
+    ``reconfigure`` (``mode: off`` drafts as stock vLLM does), goodput
+    control on or off (switched off, its controller rests on the owner and
+    keeps what it learnt about this engine for when it is back on). Each
+    feature can only switch in an engine built with it."""
+    from vllm_specextend.core.options import SpecExtendConfig, SpecExtendConfigError
 
-    _drafter(worker.model_runner).reconfigure(SpecExtendConfig.from_dict(options))
+    config = SpecExtendConfig.from_dict(options)
+    drafter = _drafter(worker.model_runner)
+    retrieval, control = drafter.retrieval, drafter.control
+    for wanted, held, option in ((config.controls_speculation, control,
+                                  "speculation_control='goodput'"),
+                                 (config.retrieves, retrieval, f"mode={config.mode!r}")):
+        if wanted and held is None:
+            raise SpecExtendConfigError(
+                f"spec_extend option {option} needs an engine built with it; build "
+                "the engine with it instead")
+    if retrieval is not None:
+        retrieval.planner.reconfigure(config)
+    if control is not None:
+        resting = control.__dict__.setdefault("benchmark_resting", None)
+        if config.controls_speculation:
+            control.speculation = control.speculation or resting
+        else:
+            control.benchmark_resting = control.speculation or resting
+            control.speculation = None
 
 
 def control_counts(worker) -> dict | None:

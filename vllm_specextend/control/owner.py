@@ -25,7 +25,6 @@ import torch
 from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
 from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
-from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.log import plugin_logger
@@ -82,8 +81,8 @@ class DraftControl:
             defer_prompts=is_draft_model and not compact_positions,
             full_graph_query_len=full_graph_query_len,
         )
-        """The engine's controller; None while switched off (``reconfigure``)."""
-        self._resting: SpeculationControl | None = None
+        """The engine's controller (None: switched off, which the benchmarks
+        do between runs: ``benchmarks/worker_hooks.py``)."""
         # Host-built indices (kept hidden states, catch-up layout): eight
         # lists a step, each at most a step's tokens.
         self._host_staging = IndexStager(
@@ -196,16 +195,6 @@ class DraftControl:
     def draft_lengths(self) -> dict[str, int] | None:
         """Drafts each request of the last plan keeps (None: switched off)."""
         return None if self.speculation is None else self.speculation.draft_lengths
-
-    def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Goodput control on or off between requests (the benchmarks'
-        configuration switches); switched off, it keeps what it learnt about
-        this engine (step costs, acceptance) for when it is back on."""
-        if config.controls_speculation:
-            self.speculation = self.speculation or self._resting
-        else:
-            self._resting = self.speculation or self._resting
-            self.speculation = None
 
     def metrics_snapshot(self) -> dict[str, object] | None:
         return None if self.speculation is None else self.speculation.metrics_snapshot()

@@ -166,7 +166,8 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         )
 
     def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Swap retrieval options between requests (used by the benchmarks);
+        """Swap retrieval options between requests (the benchmarks do, through
+        ``benchmarks/worker_hooks.py``, to serve several configurations from one engine);
         mode ``off`` drafts as stock vLLM does.
 
         Every request's selection is dropped and recomputed at its next step.

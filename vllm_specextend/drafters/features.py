@@ -6,7 +6,6 @@ in turn."""
 from __future__ import annotations
 
 from vllm_specextend.control.owner import DraftControl
-from vllm_specextend.core.options import SpecExtendConfig, SpecExtendConfigError
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -18,22 +17,6 @@ class DrafterFeatures:
     goodput control does not run."""
     control: DraftControl | None = None
     """Goodput control (``speculation_control``); V1 runner only."""
-
-    def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Switch options between requests (the benchmarks); mode ``off``
-        drafts as stock vLLM does. Goodput control switches only in an
-        engine built with it."""
-        for wanted, held, option in ((config.controls_speculation, self.control,
-                                      "speculation_control='goodput'"),
-                                     (config.retrieves, self.retrieval, f"mode={config.mode!r}")):
-            if wanted and held is None:
-                raise SpecExtendConfigError(
-                    f"spec_extend option {option} needs an engine built with it; build "
-                    "the engine with it instead")
-        if self.retrieval is not None:
-            self.retrieval.reconfigure(config)
-        if self.control is not None:
-            self.control.reconfigure(config)
 
     def metrics_snapshot(self) -> dict[str, object]:
         """Retrieval's figures and, under goodput control, the controller's."""

@@ -11,8 +11,7 @@ it at three points of its life:
 - every proposal (:meth:`~DraftRetrieval.plan`): plan the draft's view of the
   KV cache and re-position the working caches whose selection changed.
 
-It also answers the worker (memory outside the KV cache, metrics) and the
-benchmarks (``reconfigure``). Goodput control is a feature of its own
+It also answers the worker (memory outside the KV cache, metrics). Goodput control is a feature of its own
 (``control/owner.py``), held beside it by the adapter. Adapters only
 translate their runner's inputs into a :class:`PlanningBatch` and hand the
 view to their attention metadata.
@@ -291,11 +290,6 @@ class DraftRetrieval:
                 self.draft_layers, sources.flatten(), targets.flatten(), valid.flatten(),
                 positions,
             )
-
-    def reconfigure(self, config: SpecExtendConfig) -> None:
-        """Swap retrieval options between requests (the benchmarks' sweep and
-        configuration switches); mode ``off`` drafts as stock vLLM does."""
-        self.planner.reconfigure(config)
 
     def metrics_snapshot(self) -> dict[str, object]:
         return self.planner.metrics_snapshot()
