@@ -20,15 +20,13 @@ their own, finer test: test_selection_triton.py.)
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.core.test_planner import BLOCK_SIZE, K, ROWS, planning_batch, to_device
+from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import RetrievalPlanner
 from vllm_specextend.core.scoring import ScoringWorkspace
@@ -111,16 +109,10 @@ def run(options: dict, device: torch.device, kernels: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("triton-interpreter") / "planner.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "tests.core.test_planner_kernels", str(out)],
-                            capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out)
+    return interpreted_results("tests.core.test_planner_kernels", tmp_path_factory.mktemp("triton-interpreter")
+                               / "planner.pt")
 
 
-DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 @pytest.mark.parametrize("name", OPTIONS)

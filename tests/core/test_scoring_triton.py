@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from tests.dense_reference import attention_scores, context_keys
+from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.core.scoring import ScoringWorkspace, chunk_attention_sums
 
 SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
@@ -133,17 +134,10 @@ def dense_sums(case: Case, inputs: dict) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Every case's kernel sums from one interpreter worker process."""
-    out = tmp_path_factory.mktemp("triton-interpreter") / "sums.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECEXTEND_TEST_SEED": str(SEED)}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.core.test_scoring_triton", str(out)],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out)
+    return interpreted_results("tests.core.test_scoring_triton", tmp_path_factory.mktemp("triton-interpreter")
+                               / "sums.pt", SEED)
 
 
-DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

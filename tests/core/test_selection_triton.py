@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 
 SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
@@ -81,17 +81,10 @@ def run_case(case: dict, use_kernel: bool, device: torch.device) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("triton-interpreter") / "selection.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECEXTEND_TEST_SEED": str(SEED)}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.core.test_selection_triton", str(out)],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out)
+    return interpreted_results("tests.core.test_selection_triton", tmp_path_factory.mktemp("triton-interpreter")
+                               / "selection.pt", SEED)
 
 
-DEVICES = ["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
