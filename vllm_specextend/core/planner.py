@@ -106,8 +106,9 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         """Requests laid out in place for want of a free private area."""
         self._slot_of_row = np.full(max_num_reqs, -1, dtype=np.int64)
         self.use_kernels = device.type == "cuda"
-        """Select blocks and rewrite tables with the Triton kernels
-        (``core/selection_triton.py``), as on CUDA."""
+        """Plan on the Triton kernels (selection, rewrite, record:
+        ``core/selection_triton.py``), as on CUDA; scoring follows its
+        workspace's ``use_kernel``."""
 
     def allocate_scoring_workspace(self, scoring_layer, dtype: torch.dtype) -> None:
         """Scoring's fixed workspace; call at model load, before vLLM
@@ -239,9 +240,9 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self, batch: PlanningBatch, step: StepRows, staged: StagedRows
     ) -> DraftView:
         """:meth:`plan` after scoring for a step without windowed prompt
-        chunks, on CUDA: the selection written into the due slots (a sort and
-        a launch) and the rewrite, kept lengths and record in one more launch;
-        the torch path (the rest of ``plan``) is the reference."""
+        chunks, on CUDA: the selection written into the due slots in one
+        launch, and the rewrite, kept lengths and record in one more; the
+        torch path (the rest of ``plan``) is the reference."""
         assert self._selected_blocks is not None
         rewrites: list[WorkingCacheRewrite] = []
         if step.due_rows.size:
