@@ -39,3 +39,21 @@ def test_gpu_kernel_script_runs_without_vllm_and_matches_the_dense_reference(dev
         if device == "cuda":
             assert measured["sync_sites"]["chunk_attention_sums"] == [], measured["sync_sites"]
     assert (tmp_path / "results.md").exists() and (tmp_path / "results.png").exists()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_catch_up_sync_script_runs_without_vllm(device, tmp_path):
+    script = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from benchmarks.catch_up_syncs import main\n"
+        "main(['--device', sys.argv[2], '--out', sys.argv[1]])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), device],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads((tmp_path / "catch-up-syncs.json").read_text())
+    # Two paused steps skipped the head's forward; the next caught up their tokens.
+    assert found["skipped_draft_forwards"] == 2
+    assert found["catch_up_tokens"] == found["tokens_inserted"] > 0
+    if device == "cuda":
+        assert found["sync_sites"] == [], found["sync_sites"]

@@ -1,0 +1,172 @@
+"""Host syncs of goodput control's per-step device work on a GPU: the plan
+(kept hidden states of an EAGLE head) and the catch-up after paused steps
+(``DraftControl.plan`` and ``DraftControl.with_catch_up``), under
+``torch.cuda.set_sync_debug_mode("warn")``. Needs torch only (no vLLM): the
+V1 attention metadata is a stand-in with the fields the catch-up reads and
+``replace``. The steps are ``tests/drafters/test_adapter_host_syncs.py``'s:
+a decode step, two paused steps, a step that catches up beside a new prompt
+chunk, a decode step (the controller's choices scripted, its bookkeeping
+running).
+
+    python -m benchmarks.catch_up_syncs --out DIR    # on CUDA; writes DIR/catch-up-syncs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_specextend.control.goodput import DraftPlan
+from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.core.planner import PlanningBatch
+
+K, BLOCK_SIZE, MAX_REQS, MAX_BLOCKS, HIDDEN = 4, 16, 8, 256, 64
+REPO = Path(__file__).resolve().parent.parent
+SYNC_DEBUG_NOTICE = "Synchronization debug mode is a prototype feature"
+PROMPTS = {"a": 1500, "b": 1500, "c": 1500, "d": 64}
+STEPS = [  # (drafts planned, {request: (query tokens, context tokens)})
+    (K, {"a": (1, 2000), "b": (1, 2500), "c": (1, 1800)}),
+    (0, {"a": (K + 1, 2001), "b": (K + 1, 2501), "c": (K + 1, 1801)}),
+    (0, {"a": (1, 2003), "b": (1, 2503), "c": (1, 1803)}),
+    (K, {"a": (1, 2004), "b": (1, 2504), "c": (1, 1804), "d": (64, 0)}),
+    (K, {"a": (K + 1, 2005), "b": (K + 1, 2505), "c": (K + 1, 1805), "d": (K + 1, 64)}),
+]
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """The fields of vLLM's ``CommonAttentionMetadata`` the catch-up reads."""
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    _num_computed_tokens_cache: object = None
+
+    def replace(self, **changes) -> AttentionMetadata:
+        return dataclasses.replace(self, **changes)
+
+
+def step_inputs(rows: dict, device: torch.device) -> tuple[PlanningBatch, dict]:
+    """A step's planning batch and ``propose`` arguments, made before the check."""
+    query_lens = np.array([q for q, _ in rows.values()])
+    context_lens = np.array([c for _, c in rows.values()])
+    num_reqs, num_tokens = len(rows), int(query_lens.sum())
+    query_start = np.concatenate([[0], np.cumsum(query_lens), [num_tokens]]).astype(np.int32)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in rows.values()]).to(device)
+    cad = AttentionMetadata(
+        query_start_loc=torch.from_numpy(query_start).to(device),
+        query_start_loc_cpu=torch.from_numpy(query_start),
+        seq_lens=torch.from_numpy(np.append(context_lens + query_lens, 0)).int().to(device),
+        num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=int(query_lens.max()),
+        block_table_tensor=torch.arange((num_reqs + 1) * MAX_BLOCKS, dtype=torch.int32,
+                                        device=device).view(num_reqs + 1, -1),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+    )
+    batch = PlanningBatch(
+        req_ids=list(rows), query_start_loc=cad.query_start_loc[: num_reqs + 1],
+        seq_lens=cad.seq_lens, block_table=cad.block_table_tensor,
+        last_token_indices=cad.query_start_loc[1: num_reqs + 1] - 1, positions=positions,
+        query_lens_cpu=query_lens, context_lens_cpu=context_lens,
+        prompt_lens_cpu=np.array([PROMPTS[r] for r in rows]),
+    )
+    kwargs = dict(
+        target_token_ids=torch.zeros(num_tokens, dtype=torch.int32, device=device),
+        target_positions=positions,
+        target_hidden_states=torch.randn(num_tokens, HIDDEN, device=device),
+        token_indices_to_sample=cad.query_start_loc[1: num_reqs + 1] - 1,
+        common_attn_metadata=cad,
+    )
+    return batch, kwargs
+
+
+def run(device: torch.device) -> dict:
+    control = DraftControl(method="eagle3", num_speculative_tokens=K, keeps_hidden_states=True,
+                           compact_positions=False, steps_in_flight=2, full_graph_query_len=None,
+                           max_num_reqs=MAX_REQS, max_num_tokens=512, device=device)
+    control.allocate_paused_hidden_states(HIDDEN, torch.float32)
+    controller = control.speculation.controller
+    stock_plan, planned = controller.plan, [k for k, _ in STEPS]
+
+    def scripted(req_ids, *args, **kwargs):
+        stock_plan(req_ids, *args, **kwargs)
+        k = planned.pop(0)
+        return DraftPlan(np.full(len(req_ids), k), k, 0.0)
+
+    controller.plan = scripted
+    host_table = np.arange(MAX_REQS * MAX_BLOCKS, dtype=np.int32).reshape(MAX_REQS, -1)
+    token_ids = np.arange(MAX_REQS * 4096, dtype=np.int32).reshape(MAX_REQS, -1)
+    inputs = [step_inputs(rows, device) for _, rows in STEPS]
+    sites, caught_up = [], 0
+    for batch, kwargs in inputs:
+        with _sync_sites(sites):
+            steps = control.plan(batch, host_table[: batch.num_reqs], BLOCK_SIZE,
+                                 kwargs["target_hidden_states"])
+            if steps is not None:
+                moved = control.with_catch_up(kwargs, batch, token_ids, BLOCK_SIZE)
+                caught_up += (moved["common_attn_metadata"].num_actual_tokens
+                              - kwargs["common_attn_metadata"].num_actual_tokens)
+    stats = controller.stats
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "steps": len(STEPS),
+            "skipped_draft_forwards": stats.skipped_draft_forwards,
+            "catch_up_tokens": stats.catch_up_tokens, "tokens_inserted": caught_up,
+            "sync_sites": sites}
+
+
+class _sync_sites:
+    """Every sync warning inside, with its innermost frame in this repository."""
+
+    def __init__(self, found: list) -> None:
+        self.found = found
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(SYNC_DEBUG_NOTICE):
+            return
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if str(REPO) in f.filename and "catch_up_syncs" not in f.filename]
+        where = (ours or stack)[-1]
+        self.found.append({"message": str(message).splitlines()[0],
+                           "site": f"{where.filename}:{where.lineno}", "code": where.line})
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=REPO / "build")
+    args = parser.parse_args(argv)
+    result = run(torch.device(args.device))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "catch-up-syncs.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "sync_sites"}),
+          f"sync sites: {len(result['sync_sites'])}",
+          *sorted({s["site"] for s in result["sync_sites"]}), sep="\n")
+
+
+if __name__ == "__main__":
+    main()
