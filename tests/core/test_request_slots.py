@@ -18,3 +18,12 @@ def test_slots_are_kept_while_live_and_reused_once_freed():
     assert again.tolist() == [1, 0] and new_rows == [1]
     assert slots.assign(["b", "a", "c"])[0].tolist() == [1, 0, 2]
     assert dict(slots.items()) == {"b": 1, "a": 0, "c": 2} and len(slots) == 3
+
+
+def test_departures_come_in_arrival_order():
+    # A set difference would order them by string hashes, which differ
+    # between processes (and so would the slots reused after them).
+    slots = RequestSlots(8)
+    ids = [f"request-{i}" for i in range(8)]
+    slots.assign(ids)
+    assert slots.departed(ids[3:4]) == ids[:3] + ids[4:]

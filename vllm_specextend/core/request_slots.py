@@ -52,10 +52,13 @@ class RequestSlots:
         return np.array([self._slot_of[r] for r in req_ids], dtype=np.int64)
 
     def departed(self, req_ids: list[str]) -> list[str]:
-        """Live requests not in ``req_ids`` (they left the batch)."""
+        """Live requests not in ``req_ids`` (they left the batch), in the
+        order they arrived: freed slots are reused in the same order on
+        every run and every rank."""
         if req_ids == self._last_ids:
             return []
-        return list(set(self._slot_of) - set(req_ids))
+        present = set(req_ids)
+        return [req_id for req_id in self._slot_of if req_id not in present]
 
     def release(self, req_ids) -> list[int]:
         """Free the slots of requests that left (unknown ones are skipped);
