@@ -19,17 +19,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gpu_kernel_script_runs_without_vllm_and_matches_the_dense_reference(device, tmp_path):
+def run_without_vllm(module: str, device: str, out, *args: str) -> None:
+    """``module``'s ``main`` in a process where any ``import vllm...`` fails."""
     script = (
-        "import sys; sys.modules['vllm'] = None\n"  # any `import vllm...` fails
-        "from benchmarks.gpu_kernels import main\n"
-        "main(['--device', sys.argv[2], '--grid', '2x1024', '--repeats', '1',"
-        " '--out', sys.argv[1]])\n"
+        "import sys; sys.modules['vllm'] = None\n"
+        f"from {module} import main\n"
+        "main(['--device', sys.argv[2], '--out', sys.argv[1], *sys.argv[3:]])\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), device],
+    result = subprocess.run([sys.executable, "-c", script, str(out), device, *args],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpu_kernel_script_runs_without_vllm_and_matches_the_dense_reference(device, tmp_path):
+    run_without_vllm("benchmarks.gpu_kernels", device, tmp_path,
+                     "--grid", "2x1024", "--repeats", "1")
     (size,) = json.loads((tmp_path / "results.json").read_text())["sizes"]
     assert set(size["paths"]) == ({"torch", "triton"} if device == "cuda" else {"torch"})
     for path, measured in size["paths"].items():
@@ -43,14 +48,7 @@ def test_gpu_kernel_script_runs_without_vllm_and_matches_the_dense_reference(dev
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_catch_up_sync_script_runs_without_vllm(device, tmp_path):
-    script = (
-        "import sys; sys.modules['vllm'] = None\n"
-        "from benchmarks.catch_up_syncs import main\n"
-        "main(['--device', sys.argv[2], '--out', sys.argv[1]])\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), device],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_without_vllm("benchmarks.catch_up_syncs", device, tmp_path)
     found = json.loads((tmp_path / "catch-up-syncs.json").read_text())
     # Two paused steps skipped the head's forward; the next caught up their tokens.
     assert found["skipped_draft_forwards"] == 2
