@@ -163,10 +163,8 @@ import json, os, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_specextend.core import _counters_triton_kernels as counters
 from vllm_specextend.core import _scoring_triton_kernels as source
 from vllm_specextend.core import _selection_triton_kernels as selection
-from vllm_specextend.core.counters import RECORD_ROWS_PER_STEP
 from vllm_specextend.core.scoring_triton import (
     CHUNKS_BLOCK_C, CHUNKS_BLOCK_RH, GATHER_BLOCK, MEANS_BLOCK_C, ROWS_BLOCK_G, ROWS_BLOCK_RH)
 from vllm_specextend.core.selection_triton import BLOCKS_PER_STEP, CHUNKS_PER_STEP
@@ -205,8 +203,8 @@ found = {
     "chunks": compile(source.chunk_sum_kernel,
                       {"lse_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*fp32"},
                       dict(GRANULES_PER_CHUNK=1, BLOCK_RH=CHUNKS_BLOCK_RH, BLOCK_C=CHUNKS_BLOCK_C)),
-    # The planner's small launches around scoring (selection, the rewrite,
-    # the record): with the types the planner passes.
+    # The planner's small launches around scoring (the gather, the means,
+    # selection, the rewrite with the record): the types the planner passes.
     "gather": compile(source.gather_query_rows_kernel,
         {"rows_ptr": "*i64", "last_ptr": "*i32", "start_ptr": "*i32", "positions_ptr": "*i64",
          "q_ptr": "*bf16", "table_ptr": "*i32", "q_out_ptr": "*bf16", "qpos_out_ptr": "*i64",
@@ -226,11 +224,7 @@ found = {
          "slot_of_row_ptr": "*i64", "seq_lens_ptr": "*i32", "start_ptr": "*i32",
          "last_ptr": "*i32", "kept_lens_ptr": "*i32", "per_slot_ptr": "*i64",
          "totals_ptr": "*i64"},
-        dict(FROM_SLOTS=True, BLOCK_B=BLOCKS_PER_STEP)),
-    "record": compile(counters.record_rows_kernel,
-        {"rows_ptr": "*i64", "slots_ptr": "*i64", "seq_lens_ptr": "*i32", "removed_ptr": "*i32",
-         "last_ptr": "*i32", "start_ptr": "*i32", "per_slot_ptr": "*i64", "totals_ptr": "*i64"},
-        dict(BLOCK=RECORD_ROWS_PER_STEP)),
+        dict(FROM_SLOTS=True, RECORD=True, BLOCK_B=BLOCKS_PER_STEP)),
 }
 print(json.dumps(found))
 """
@@ -238,7 +232,7 @@ print(json.dumps(found))
 
 def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     """The interpreter checks what the kernels compute, not that they
-    compile: compile the three scoring kernels and the planner's five small
+    compile: compile the three scoring kernels and the planner's four small
     ones for sm_90 (Triton's bundled ptxas; no GPU
     needed), the 8B-class bf16 configuration, specialised as the launcher
     does. The logits are a tensor-core MMA, the keys arrive as pipelined

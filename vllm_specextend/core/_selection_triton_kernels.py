@@ -114,21 +114,23 @@ def compact_block_table_kernel(
     slot_of_row_ptr, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr, per_slot_ptr, totals_ptr,
     table_stride, keep_stride, out_stride,
     num_blocks, block_size, num_reqs, keep_width,
-    FROM_SLOTS: tl.constexpr, BLOCK_B: tl.constexpr,
+    FROM_SLOTS: tl.constexpr, RECORD: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """A row's table with its kept blocks first and the rest after them,
     each in their original order, and the tokens removed.
 
-    ``FROM_SLOTS`` (a decode step's whole plan after selection): the row's
-    kept blocks are its request slot's selection (``keep`` row
-    ``slot_of_row[row]``, its first ``keep_width`` blocks; later blocks and
-    rows without a slot keep everything); it also writes the row's kept
-    context length (before its query) and records the step in the slot's
-    counters and the totals (as ``RetrievalStats.record_rows``)."""
+    ``FROM_SLOTS`` (a decode step): the row's kept blocks are its request
+    slot's selection (``keep`` row ``slot_of_row[row]``, its first
+    ``keep_width`` blocks; later blocks and rows without a slot keep
+    everything); else ``keep`` row ``row``. ``RECORD`` (the planner's step):
+    it also writes the row's kept context length (before its query) and, for
+    a row with a slot, records the step in the slot's counters and the totals
+    (as ``RetrievalStats.record_rows``)."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, BLOCK_B)
-    if FROM_SLOTS:
+    if RECORD:
         slot = tl.load(slot_of_row_ptr + row, mask=row < num_reqs, other=-1).to(tl.int64)
+    if FROM_SLOTS:
         keep_row = keep_ptr + tl.maximum(slot, 0) * keep_stride
         keep_limit = tl.where(slot >= 0, keep_width, 0)
     else:
@@ -156,7 +158,7 @@ def compact_block_table_kernel(
         removed_before += tl.sum(gone.to(tl.int32), 0)
     removed = (num_blocks - num_kept) * block_size
     tl.store(removed_ptr + row, removed)
-    if FROM_SLOTS:
+    if RECORD:
         if row < num_reqs:
             first = tl.load(start_ptr + row)
             query_len = tl.load(start_ptr + row + 1) - first

@@ -6,7 +6,6 @@ and read only by ``as_dict``, outside the engine step.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -114,40 +113,23 @@ class RetrievalStats:
         removed_tokens: torch.Tensor,
         last_token_indices: torch.Tensor,
         query_start_loc: torch.Tensor,
-        use_kernel: bool = False,
     ) -> None:
         """:meth:`record_step` for the batch ``rows`` of requests in
         ``slots``, from the step's tensors (indexed by batch row): a row
         verified drafts when its query held more than one token, and gained
-        its last accepted token's offset + 1. ``use_kernel``: one Triton
-        launch (``core/_counters_triton_kernels.py``) for these torch ops."""
-        if use_kernel:
-            if rows.shape[0]:
-                _record_rows_kernel()[(1,)](
-                    rows, slots, seq_lens, removed_tokens, last_token_indices, query_start_loc,
-                    self._per_slot, self._totals, rows.shape[0], BLOCK=RECORD_ROWS_PER_STEP,
-                )
-            self.compacted_request_steps += int(rows.shape[0])
-        else:
-            first = query_start_loc[rows]
-            verified = query_start_loc[rows + 1] - first > 1
-            gained = last_token_indices[rows] - first + 1
-            self.record_step(slots, seq_lens[rows], removed_tokens[rows],
-                             torch.where(verified, gained, 0))
+        its last accepted token's offset + 1. (On CUDA the planner's rewrite
+        kernel records the same: ``selection_triton.rewrite_decode_rows``.)"""
+        first = query_start_loc[rows]
+        verified = query_start_loc[rows + 1] - first > 1
+        gained = last_token_indices[rows] - first + 1
+        self.record_step(slots, seq_lens[rows], removed_tokens[rows],
+                         torch.where(verified, gained, 0))
 
     @property
     def device_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(per_slot, totals)``, for kernels that record steps themselves
         (``selection_triton.rewrite_decode_rows``)."""
         return self._per_slot, self._totals
-
-    def warm_up_kernel(self) -> None:
-        """Compile :meth:`record_rows`' kernel before serving (it adds zeros),
-        for the index dtypes the runners pass (int64 rows, int32 the rest)."""
-        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
-        zeros = torch.zeros(2, dtype=torch.int32, device=self.device)
-        _record_rows_kernel()[(1,)](rows, rows, zeros, zeros, zeros, zeros, self._per_slot,
-                                    self._totals, 1, BLOCK=RECORD_ROWS_PER_STEP)
 
     def finish_request(self, slot: int) -> None:
         """Fold a leaving request's figures into the histograms."""
@@ -185,16 +167,3 @@ class RetrievalStats:
             "finished_requests": self.finished_requests,
         }
 
-
-RECORD_ROWS_PER_STEP = 256
-"""Rows the record kernel reads per loop step."""
-
-
-@functools.cache
-def _record_rows_kernel():
-    """The record kernel, jitted on first use (triton imported lazily)."""
-    import triton
-
-    from vllm_specextend.core import _counters_triton_kernels as source
-
-    return triton.jit(source.record_rows_kernel, do_not_specialize=["num_rows"])

@@ -43,7 +43,11 @@ from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.request_rows import RequestRows, StagedRows, StepRows, decode_rows
 from vllm_specextend.core.scoring import ScoringWorkspace
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
-from vllm_specextend.core.selection_triton import rewrite_decode_rows, select_blocks_into_slots
+from vllm_specextend.core.selection_triton import (
+    rewrite_decode_rows,
+    rewrite_rows_and_record,
+    select_blocks_into_slots,
+)
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
 
@@ -152,7 +156,6 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
 
             assert self._selected_blocks is not None
             warm_up(self._selected_blocks, *self.stats.device_counters)
-            self.stats.warm_up_kernel()
 
     def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -217,12 +220,18 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
             rewrites += self._lay_out_windowed_prefill(
                 batch, step, keep, first_query_pos, query_lens
             )
-        compact, removed = rewrite_block_table(
-            batch.block_table[:num_rows], keep, self.block_size, use_kernel=self.use_kernels
-        )
-        if step.retrieval_rows.size:
-            self._record(batch, staged, removed)
-        kept_context_lens = first_query_pos - removed[:num_reqs]
+        if self.use_kernels:
+            compact, removed, kept_context_lens = rewrite_rows_and_record(
+                batch.block_table[:num_rows], keep, staged.slot_of_row, batch.seq_lens,
+                batch.query_start_loc, batch.last_token_indices, self.block_size,
+                *self.stats.device_counters)
+            self.stats.compacted_request_steps += int(step.retrieval_rows.size)
+        else:
+            compact, removed = rewrite_block_table(
+                batch.block_table[:num_rows], keep, self.block_size, use_kernel=False)
+            if step.retrieval_rows.size:
+                self._record(batch, staged, removed)
+            kept_context_lens = first_query_pos - removed[:num_reqs]
         kept_block_table = None
         if step.private_rows.size:
             kept_block_table = compact
@@ -324,7 +333,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
     def _record(self, batch: PlanningBatch, staged: StagedRows, removed: torch.Tensor) -> None:
         self.stats.record_rows(
             staged.rows, staged.slots, batch.seq_lens, removed, batch.last_token_indices,
-            batch.query_start_loc, use_kernel=self.use_kernels,
+            batch.query_start_loc,
         )
 
     @property

@@ -9,7 +9,8 @@ bits, ties to the earlier chunk as the reference's stable sort gives them)
 and marks their blocks; the rewrite moves a row's kept blocks to the front
 in one pass (a count, then the ranks). The planner's decode steps use the
 variants that read and write request slots directly and fold the record in
-(:func:`select_blocks_into_slots`, :func:`rewrite_decode_rows`). Launches
+(:func:`select_blocks_into_slots`, :func:`rewrite_decode_rows`,
+:func:`rewrite_rows_and_record`). Launches
 only: no host sync. CPU tensors run under Triton's interpreter (tests)."""
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def rewrite_block_table_triton(
         block_table, keep.view(torch.int8), compact, removed,
         removed, removed, removed, removed, removed, removed, removed,
         block_table.stride(0), keep.stride(0), compact.stride(0), num_blocks, block_size,
-        0, num_blocks, FROM_SLOTS=False, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
+        0, num_blocks, FROM_SLOTS=False, RECORD=False, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
     )
     return compact, removed
 
@@ -121,6 +122,32 @@ def rewrite_decode_rows(
     ``len(slot_of_row)`` rows, and the step recorded in the retrieval
     counters ``per_slot`` and ``totals`` (``RetrievalStats.record_rows``).
     The planner's torch path does this in ~20 ops; it is the reference."""
+    return _rewrite_and_record(block_table, selected, slot_of_row, num_blocks_selected,
+                               seq_lens, query_start_loc, last_token_indices, block_size,
+                               per_slot, totals, from_slots=True)
+
+
+def rewrite_rows_and_record(
+    block_table: torch.Tensor,
+    keep: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    last_token_indices: torch.Tensor,
+    block_size: int,
+    per_slot: torch.Tensor,
+    totals: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rewrite_decode_rows` for a step whose kept blocks are given per
+    batch row (``keep``, as :func:`rewrite_block_table_triton` takes them):
+    steps with windowed prompt chunks."""
+    return _rewrite_and_record(block_table, keep, slot_of_row, keep.shape[1], seq_lens,
+                               query_start_loc, last_token_indices, block_size, per_slot,
+                               totals, from_slots=False)
+
+
+def _rewrite_and_record(block_table, keep, slot_of_row, keep_width, seq_lens, query_start_loc,
+                        last_token_indices, block_size, per_slot, totals, *, from_slots):
     batch, num_blocks = block_table.shape
     num_reqs = slot_of_row.shape[0]
     compact = torch.empty_like(block_table)
@@ -130,10 +157,11 @@ def rewrite_decode_rows(
         return compact, removed, kept_lens
     _check_device(block_table)
     _kernels().compact[(batch,)](
-        block_table, selected.view(torch.int8), compact, removed,
+        block_table, keep.view(torch.int8), compact, removed,
         slot_of_row, seq_lens, query_start_loc, last_token_indices, kept_lens, per_slot, totals,
-        block_table.stride(0), selected.stride(0), compact.stride(0), num_blocks, block_size,
-        num_reqs, num_blocks_selected, FROM_SLOTS=True, BLOCK_B=BLOCKS_PER_STEP, num_warps=4,
+        block_table.stride(0), keep.stride(0), compact.stride(0), num_blocks, block_size,
+        num_reqs, keep_width, FROM_SLOTS=from_slots, RECORD=True, BLOCK_B=BLOCKS_PER_STEP,
+        num_warps=4,
     )
     return compact, removed, kept_lens
 
@@ -155,6 +183,7 @@ def warm_up(selected: torch.Tensor, per_slot: torch.Tensor, totals: torch.Tensor
         select_blocks_into_slots(score, index, index, zeros, zeros, selected, 0, 16, 0, 0, 1, 2,
                                  by_position=by_position)
     rewrite_decode_rows(table, selected, index, 2, zeros, zeros, zeros[:1], 16, per_slot, totals)
+    rewrite_rows_and_record(table, keep, index, zeros, zeros, zeros[:1], 16, per_slot, totals)
 
 
 def _check_device(tensor: torch.Tensor) -> None:
