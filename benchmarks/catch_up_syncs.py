@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.sync_sites import SyncSites
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.control.owner import DraftControl
 from vllm_specextend.core.planner import PlanningBatch
 
 K, BLOCK_SIZE, MAX_REQS, MAX_BLOCKS, HIDDEN = 4, 16, 8, 256, 64
 REPO = Path(__file__).resolve().parent.parent
-SYNC_DEBUG_NOTICE = "Synchronization debug mode is a prototype feature"
 PROMPTS = {"a": 1500, "b": 1500, "c": 1500, "d": 64}
 STEPS = [  # (drafts planned, {request: (query tokens, context tokens)})
     (K, {"a": (1, 2000), "b": (1, 2500), "c": (1, 1800)}),
@@ -110,7 +108,7 @@ def run(device: torch.device) -> dict:
     inputs = [step_inputs(rows, device) for _, rows in STEPS]
     sites, caught_up = [], 0
     for batch, kwargs in inputs:
-        with _sync_sites(sites):
+        with SyncSites(sites):
             steps = control.plan(batch, host_table[: batch.num_reqs], BLOCK_SIZE,
                                  kwargs["target_hidden_states"])
             if steps is not None:
@@ -123,36 +121,6 @@ def run(device: torch.device) -> dict:
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": stats.catch_up_tokens, "tokens_inserted": caught_up,
             "sync_sites": sites}
-
-
-class _sync_sites:
-    """Every sync warning inside, with its innermost frame in this repository."""
-
-    def __init__(self, found: list) -> None:
-        self.found = found
-
-    def __enter__(self):
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = self._record
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-
-    def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("default")
-        self._catch.__exit__(*exc)
-
-    def _record(self, message, category, filename, lineno, file=None, line=None):
-        if str(message).startswith(SYNC_DEBUG_NOTICE):
-            return
-        stack = traceback.extract_stack()[:-1]
-        ours = [f for f in stack if str(REPO) in f.filename and "catch_up_syncs" not in f.filename]
-        where = (ours or stack)[-1]
-        self.found.append({"message": str(message).splitlines()[0],
-                           "site": f"{where.filename}:{where.lineno}", "code": where.line})
 
 
 def main(argv=None) -> None:

@@ -36,14 +36,13 @@ import platform
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks.report import pyplot, save_figure
+from benchmarks.sync_sites import SyncSites
 from tests.dense_reference import attention_scores, context_keys
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
@@ -60,8 +59,6 @@ GPU_GRID = [(8, 32768), (64, 32768), (256, 4096), (4, 131072)]
 CPU_GRID = [(2, 4096), (8, 4096), (1, 16384)]
 PATH_COLOURS = {"torch": "tab:blue", "triton": "tab:orange"}
 REPO = Path(__file__).resolve().parent.parent
-SYNC_DEBUG_NOTICE = "Synchronization debug mode is a prototype feature"
-"""torch's one-time notice on entering the mode: not a sync."""
 
 
 class _Layer:
@@ -168,38 +165,15 @@ def _timed(device, fn, repeats: int) -> float:
 
 def _sync_sites(device: torch.device, calls: dict) -> dict:
     """Each call once under sync-debug mode "warn": every synchronising
-    operation's warning, with the innermost frame in this repository and
-    the whole stack."""
+    operation's warning, with the innermost frame in the package and the
+    whole stack (:class:`~benchmarks.sync_sites.SyncSites`)."""
     if device.type != "cuda":
         return {name: None for name in calls}
     found = {}
     for name, fn in calls.items():
-        sites = []
-
-        def record(message, category, filename, lineno, file=None, line=None):
-            if str(message).startswith(SYNC_DEBUG_NOTICE):
-                return
-            stack = traceback.extract_stack()[:-1]
-            ours = [f for f in stack if str(REPO) in f.filename and "gpu_kernels" not in f.filename]
-            where = ours[-1] if ours else stack[-1]
-            sites.append({
-                "message": str(message).splitlines()[0],
-                "site": f"{Path(where.filename).relative_to(REPO) if str(REPO) in where.filename else where.filename}:{where.lineno}",
-                "code": where.line,
-                "stack": traceback.format_list(stack[-12:]),
-            })
-
-        _synchronize(device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        _synchronize(device)
-        found[name] = sites
+        found[name] = []
+        with SyncSites(found[name]):
+            fn()
     return found
 
 
