@@ -271,12 +271,14 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
                          kept_block_table=kept_block_table)
 
     def _stage(self, batch: PlanningBatch, step: StepRows) -> StagedRows:
-        slot_of_row = self._slot_of_row[: batch.num_reqs]
-        slot_of_row.fill(-1)
-        slot_of_row[step.retrieval_rows] = step.retrieval_slots
-        return StagedRows(*self._index_stager.next_step().stage(
-            step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots,
-            slot_of_row))
+        lists = [step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots]
+        if self.use_kernels:  # only the kernels read rows by slot
+            slot_of_row = self._slot_of_row[: batch.num_reqs]
+            slot_of_row.fill(-1)
+            slot_of_row[step.retrieval_rows] = step.retrieval_slots
+            lists.append(slot_of_row)
+        staged = self._index_stager.next_step().stage(*lists)
+        return StagedRows(*staged[:4], slot_of_row=staged[4] if self.use_kernels else None)
 
     def _num_blocks(self, batch: PlanningBatch) -> int:
         assert self._selected_blocks is not None

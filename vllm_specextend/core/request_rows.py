@@ -106,8 +106,9 @@ class StagedRows:
     slots: torch.Tensor
     due: torch.Tensor
     due_slots: torch.Tensor
-    slot_of_row: torch.Tensor
-    """``[num_reqs]``: each row's request slot if it retrieves, else -1."""
+    slot_of_row: torch.Tensor | None = None
+    """``[num_reqs]``: each row's request slot if it retrieves, else -1
+    (staged for the planner's kernels only)."""
 
 
 class RequestRows:
