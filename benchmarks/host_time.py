@@ -2,9 +2,11 @@
 
 What runs on the host every step besides vLLM's own Python:
 
+- the request slots both features share (``core/request_slots.py``):
+  arrivals and departures, with each feature's handling of them;
 - the planner's Python (``core/planner.py``, ``core/request_rows.py``):
-  request bookkeeping (dropping the requests that left), row classification,
-  index staging and the bookkeeping of the rows that retrieved;
+  row classification, index staging and the bookkeeping of the rows that
+  retrieved;
 - goodput control's (``control/speculation_control.py``): its ``plan``
   (frontiers, the controller's ``plan`` in ``control/goodput.py`` with its cost
   and acceptance observations) and ``catch_up_starts``.
@@ -43,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.report import RESULTS_DIR, pyplot, save_figure
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.control.speculation_control import SpeculationControl
 
@@ -55,8 +58,8 @@ CLOCK = time.thread_time
 counted, the host work itself is."""
 RESULTS = RESULTS_DIR / "host-time"
 
+SLOT_PARTS = {"request_slots": "request slots: arrivals and departures (both features)"}
 PLANNER_PARTS = {
-    "_forget_requests_not_in": "planner: requests that left",
     "_classify_rows": "planner: row classification",
     "_stage": "planner: index staging",
     "_note_retrievals": "planner: retrieval bookkeeping",
@@ -70,7 +73,7 @@ EXCLUDED_TENSOR_WORK = "stats_device_ops"
 """Device ops inside the planner's bookkeeping (a leaving request's figures
 folded into the device histograms): timed and subtracted."""
 PART_COLORS = {
-    "_forget_requests_not_in": "tab:pink", "_classify_rows": "tab:red", "_stage": "tab:orange",
+    "request_slots": "tab:pink", "_classify_rows": "tab:red", "_stage": "tab:orange",
     "_note_retrievals": "goldenrod", "controller_plan": "tab:blue",
     "control_plan_rest": "tab:cyan", "catch_up_starts": "tab:purple",
 }
@@ -166,12 +169,12 @@ def _planning_batch(requests: _Requests, k: int, max_blocks: int) -> PlanningBat
     )
 
 
-def _planner(args) -> RetrievalPlanner:
+def _planner(args, requests: RequestSlots) -> RetrievalPlanner:
     config = SpecExtendConfig(mode="cmr", retrieval_interval=args.retrieval_interval)
     max_model_len = 2 * args.context + 2048
     planner = RetrievalPlanner(config, max_num_reqs=args.batch, max_model_len=max_model_len,
                                max_num_speculative_tokens=args.k, draft_window=max_model_len,
-                               compact_positions=False, device=META)
+                               compact_positions=False, device=META, requests=requests)
     layer = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
     planner.allocate_scoring_workspace(layer, torch.bfloat16)
     tap = TargetAttentionTap(num_slots=args.batch * max_model_len,
@@ -183,8 +186,11 @@ def _planner(args) -> RetrievalPlanner:
 
 
 def measure(args) -> dict:
-    planner = _planner(args)
+    # Shared by both features, as an adapter shares them.
+    slots = RequestSlots(args.batch)
+    planner = _planner(args, slots)
     timers = _Timers()
+    timers.wrap(slots, "update", "request_slots")
     for name in PLANNER_PARTS:
         timers.wrap(planner, name)
     for name in ("finish_request", "clear_slot"):
@@ -197,7 +203,7 @@ def measure(args) -> dict:
 
     planner._chunk_scores = stub_scoring
     control = SpeculationControl(args.batch, args.k, free_pause=True, synced_lead=1,
-                                 defer_prompts=True)
+                                 defer_prompts=True, requests=slots)
     clock = [0.0]
     control.clock = lambda: clock[0]
     timers.wrap(control.controller, "plan", "controller_plan")
@@ -218,7 +224,10 @@ def measure(args) -> dict:
             control.catch_up_starts(requests.ids, requests.context_lens, max(
                 0, 8192 - int(requests.query_lens.sum()) - 2 * args.batch))
             timers.step["catch_up_starts"] = CLOCK() - start
-        timers.step["control_plan_rest"] = control_seconds - timers.step["controller_plan"]
+        # Less the parts timed inside it (the slots' update runs there first).
+        timers.step["control_plan_rest"] = control_seconds - sum(
+            timers.step.get(name, 0.0)
+            for name in ("controller_plan", "request_slots", EXCLUDED_TENSOR_WORK))
         counter = _OpCounter() if step == args.warmup else None
         start = CLOCK()
         if counter is not None:
@@ -237,20 +246,23 @@ def measure(args) -> dict:
     torch_scoring_ops = _count_torch_scoring_ops(planner, torch_scoring, requests, args,
                                                  max_blocks)
     parts = {}
-    for name in [*PLANNER_PARTS, *CONTROL_PARTS]:
+    labels = {**SLOT_PARTS, **PLANNER_PARTS, **CONTROL_PARTS}
+    for name, label in labels.items():
         values = np.array([s.get(name, 0.0) for s in steps]) * 1e3
-        parts[name] = {"label": {**PLANNER_PARTS, **CONTROL_PARTS}[name],
+        parts[name] = {"label": label,
                        "median_ms": float(np.median(values)),
                        "p90_ms": float(np.percentile(values, 90)),
                        "mean_ms": float(values.mean())}
-    planner_ms = np.array([sum(s.get(n, 0.0) for n in PLANNER_PARTS) for s in steps]) * 1e3
-    control_ms = np.array([sum(s.get(n, 0.0) for n in CONTROL_PARTS) for s in steps]) * 1e3
+    slots_ms, planner_ms, control_ms = (
+        np.array([sum(s.get(n, 0.0) for n in names) for s in steps]) * 1e3
+        for names in (SLOT_PARTS, PLANNER_PARTS, CONTROL_PARTS))
     stats = control.controller.stats
     return {
         "parts": parts,
+        "request_slots_ms": _summary(slots_ms),
         "planner_python_ms": _summary(planner_ms),
         "goodput_python_ms": _summary(control_ms),
-        "together_ms": _summary(planner_ms + control_ms),
+        "together_ms": _summary(slots_ms + planner_ms + control_ms),
         "planner_plan_on_meta_ms": _summary(np.array(plan_totals) * 1e3),
         "excluded_stats_device_ops_ms": _summary(
             np.array([s.get(EXCLUDED_TENSOR_WORK, 0.0) for s in steps]) * 1e3),
@@ -263,8 +275,9 @@ def measure(args) -> dict:
 
 
 GOODPUT_FUNCTIONS = {
-    "control": ("_forget", "_advance_frontiers", "_keep_lagging_blocks"),
-    "controller": ("admit", "finish", "_observe_cost", "_observe_acceptance", "_probe_budgets",
+    "control": ("_advance_frontiers", "_keep_lagging_blocks"),
+    # admit: the request slots' update, arrivals and departures included.
+    "controller": ("admit", "_observe_cost", "_observe_acceptance", "_probe_budgets",
                    "_resume_seconds", "_explore", "_limit_catch_up", "_note_plan"),
 }
 
@@ -374,7 +387,8 @@ def report(results: dict) -> str:
     for part in r["parts"].values():
         lines.append(f"| {part['label']} | {part['median_ms']:.3f} | {part['p90_ms']:.3f} | "
                      f"{part['mean_ms']:.3f} |")
-    for key, label in (("planner_python_ms", "**planner, Python**"),
+    for key, label in (("request_slots_ms", "**request slots**"),
+                       ("planner_python_ms", "**planner, Python**"),
                        ("goodput_python_ms", "**goodput control, Python**"),
                        ("together_ms", f"**together (bar: {BAR_MS} ms)**")):
         summary = r[key]
@@ -385,7 +399,7 @@ def report(results: dict) -> str:
         f"- The planner's whole `plan()` on meta (its tensor ops dispatched to meta kernels, "
         f"scoring stubbed): median {r['planner_plan_on_meta_ms']['median']:.3f} ms; meta "
         "kernels are not CUDA launches, so this is not a CUDA figure.",
-        f"- Excluded from the planner's parts: the device ops that fold a leaving request's "
+        f"- Excluded from the request slots' part: the device ops that fold a leaving request's "
         f"figures into the device histograms (on meta: median "
         f"{r['excluded_stats_device_ops_ms']['median']:.3f} ms, p90 "
         f"{r['excluded_stats_device_ops_ms']['p90']:.3f} ms).",

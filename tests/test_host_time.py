@@ -3,7 +3,7 @@ figures themselves are the committed results', not asserted here)."""
 
 import json
 
-from benchmarks.host_time import CONTROL_PARTS, PLANNER_PARTS, main
+from benchmarks.host_time import CONTROL_PARTS, PLANNER_PARTS, SLOT_PARTS, main
 
 PNG_MAGIC = b"\x89PNG"
 
@@ -12,7 +12,7 @@ def test_host_time_benchmark_writes_json_md_and_png(tmp_path):
     main(["--batch", "8", "--steps", "20", "--warmup", "5", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     measurement = results["measurement"]
-    assert set(measurement["parts"]) == set(PLANNER_PARTS) | set(CONTROL_PARTS)
+    assert set(measurement["parts"]) == set(SLOT_PARTS) | set(PLANNER_PARTS) | set(CONTROL_PARTS)
     assert measurement["planner_python_ms"]["median"] > 0
     assert measurement["goodput_python_ms"]["median"] > 0
     assert measurement["retrievals"] > 0 and measurement["planner_tensor_ops_per_step"] > 0

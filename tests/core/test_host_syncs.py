@@ -81,7 +81,7 @@ def test_planning_never_waits_for_the_device(options):
         planner = meta_planner(options)
         run_planner_steps(planner, batches)
     check.assert_none()
-    assert sorted(planner._requests) == ["reduced_k"]
+    assert sorted(planner.tracked_requests()) == ["reduced_k"]
     assert planner.stats.finished_requests == 1
     assert check.allowed["vllm_specextend.core.planner:RetrievalPlanner.metrics_snapshot"]
 

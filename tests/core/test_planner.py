@@ -70,7 +70,7 @@ def test_only_long_decode_rows_are_compacted_and_tracked():
     assert (view.removed_tokens[:2] > 0).all()
     assert view.removed_tokens[2:].tolist() == [0, 0, 0]
     assert torch.equal(view.block_table[2:], batch.block_table[2:])
-    assert sorted(planner._requests) == ["full_k", "reduced_k"]
+    assert sorted(planner.tracked_requests()) == ["full_k", "reduced_k"]
     # Streaming keeps the sink block, the 2 most recent whole chunks before
     # the recent window (from block (3000 - 64) // 16 = 183 on) and the
     # window itself: the pure rewrite of that selection is what the draft gets.
@@ -90,7 +90,7 @@ def test_a_step_with_reduced_k_keeps_the_request_and_its_selection():
     # The next step verified fewer drafts (K dropped to 1 for this batch).
     second = planner.plan(planning_batch(["a"], [2], [3003], [1000]))
     assert first is not None and second is not None
-    assert planner._requests["a"].refreshes["first"] == 1  # the selection is reused
+    assert planner.metrics_snapshot()["requests"]["a"]["refreshes"]["first"] == 1  # the selection is reused
     assert planner.stats.refreshes == {"first": 1, "interval": 0, "acceptance": 0}
     assert second.removed_tokens[0] == first.removed_tokens[0]
 
@@ -99,7 +99,7 @@ def test_short_contexts_and_prefills_leave_the_view_stock():
     planner = streaming_planner()
     assert planner.plan(planning_batch(["short", "chunk"], [K + 1, 3], [500, 2997],
                                        [400, 3000])) is None
-    assert planner._requests == {}
+    assert planner.tracked_requests() == {}
 
 
 def to_device(batch: PlanningBatch, device) -> PlanningBatch:
@@ -114,7 +114,7 @@ def test_mode_off_drafts_stock_and_drops_request_state():
     assert planner.plan(planning_batch(**ROWS)) is not None
     planner.reconfigure(SpecExtendConfig(mode="off"))
     assert planner.plan(planning_batch(**ROWS)) is None
-    assert planner._requests == {}
+    assert planner.tracked_requests() == {}
 
 
 def test_the_last_prompt_chunk_already_attends_to_what_the_target_picks():
@@ -152,4 +152,4 @@ def test_the_last_prompt_chunk_already_attends_to_what_the_target_picks():
 
     assert set(needle_blocks) <= view_of_chunk(prompt_len=context + query)
     assert not set(needle_blocks) & view_of_chunk(prompt_len=context + query + 1000)
-    assert planner._requests == {}  # prefills keep no request state
+    assert planner.tracked_requests() == {}  # prefills keep no request state

@@ -143,3 +143,28 @@ def test_planner_on_kernels_plans_what_it_plans_on_torch(name, device, request):
 if __name__ == "__main__":  # the interpreter worker (TRITON_INTERPRET=1)
     torch.save({name: run(options, torch.device("cpu"), kernels=True)
                 for name, options in OPTIONS.items()}, sys.argv[1])
+
+
+def test_a_request_in_a_freed_slot_scores_from_zero():
+    """Accepted-token scoring sums a request's chunk scores over the steps
+    between its retrievals, in its slot: a request that leaves mid-way leaves
+    them there, and the next request in that slot must not start from them.
+    Torch path (the reset is the planner's, on either path). Mutation:
+    forgetting a request without zeroing its slot's sums fails it."""
+    options = {"mode": "cmr", "score_aggregation": "accepted_tokens"}
+    cpu = torch.device("cpu")
+
+    def new_requests_view(first_steps: list[list[str]]):
+        planner = make_planner(options, cpu, kernels=False)
+        # Steps 1 and 2: "old" retrieves, then sums its scores (interval 2).
+        for ids, context_len in zip(first_steps, (3000, 3004)):
+            planner.plan(planning_batch(ids, [K + 1] * len(ids), [context_len] * len(ids),
+                                        [1000] * len(ids)))
+        # Step 3: "new" (row 0) takes the slot "old" (row 1) left.
+        view = planner.plan(planning_batch(["new", "a"], [K + 1] * 2, [2000, 3008], [1000] * 2))
+        assert planner.tracked_requests()["new"] == 1
+        return view.block_table[0], view.removed_tokens[0]
+
+    reused = new_requests_view([["a", "old"]] * 2)
+    fresh = new_requests_view([["a"]] * 2)
+    assert torch.equal(reused[0], fresh[0]) and torch.equal(reused[1], fresh[1])

@@ -63,7 +63,7 @@ def test_a_drop_in_acceptance_retrieves_before_the_interval():
     # acceptance stays at its level).
     assert [(i, c) for i, c in enumerate(causes) if c] == [
         (0, "first"), (8, "acceptance"), (11, "acceptance"), (27, "interval")]
-    assert planner._requests["a"].refreshes == {"first": 1, "interval": 1, "acceptance": 2}
+    assert planner.metrics_snapshot()["requests"]["a"]["refreshes"] == {"first": 1, "interval": 1, "acceptance": 2}
     # Per-request figures carry the causes.
     assert planner.metrics_snapshot()["requests"]["a"]["refreshes"]["acceptance"] == 2
 

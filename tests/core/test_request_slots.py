@@ -1,29 +1,61 @@
 """Per-request slots (``core/request_slots.py``): one per live request, a
-freed one taken next, and departures as the batch shows them."""
+freed one taken next, and arrivals and departures told to every feature
+once, whichever updates first."""
 
 from vllm_specextend.core.request_slots import RequestSlots
 
 
+class Recorder:
+    """A feature's view of the slots: what it was told, and when."""
+
+    def __init__(self, slots: RequestSlots) -> None:
+        self.slots = slots
+        self.events: list[tuple[str, list[str], list[int]]] = []
+        slots.subscribe(arrived=self.arrived, left=self.left)
+
+    def arrived(self, req_ids, slots) -> None:
+        self.events.append(("arrived", req_ids, slots.tolist()))
+
+    def left(self, req_ids, slots) -> None:
+        # Told before the slots are freed: they are not taken yet.
+        assert not any(req_id in self.slots for req_id in req_ids)
+        self.events.append(("left", req_ids, slots.tolist()))
+
+
 def test_slots_are_kept_while_live_and_reused_once_freed():
     slots = RequestSlots(3)
-    first, new_rows = slots.assign(["a", "b"])
-    assert first.tolist() == [0, 1] and new_rows == [0, 1]
+    assert slots.update(["a", "b"]).tolist() == [0, 1]
     # The same batch again (answered from the cache), then reordered.
-    assert slots.assign(["a", "b"])[0].tolist() == [0, 1]
-    assert slots.assign(["b", "a"])[0].tolist() == [1, 0]
-    assert slots.departed(["b"]) == ["a"] and slots.departed(["b", "a"]) == []
-    assert slots.release(["a", "unknown"]) == [0]
+    assert slots.update(["a", "b"]).tolist() == [0, 1]
+    assert slots.update(["b", "a"]).tolist() == [1, 0]
+    slots.release(["a", "unknown"])
     # "a" left: the same batch as before must not be answered from the cache.
-    again, new_rows = slots.assign(["b", "a"])
-    assert again.tolist() == [1, 0] and new_rows == [1]
-    assert slots.assign(["b", "a", "c"])[0].tolist() == [1, 0, 2]
+    assert slots.update(["b", "a"]).tolist() == [1, 0]
+    assert slots.update(["b", "a", "c"]).tolist() == [1, 0, 2]
     assert dict(slots.items()) == {"b": 1, "a": 0, "c": 2} and len(slots) == 3
+    # Requests missing from a batch left ("b", then "a"): the slot freed
+    # last is taken first.
+    assert slots.update(["c", "d", "e"]).tolist() == [2, 0, 1]
+
+
+def test_every_feature_is_told_once_whichever_updates_first():
+    slots = RequestSlots(4)
+    control, retrieval = Recorder(slots), Recorder(slots)
+    for batch in (["a", "b", "c"], ["b", "d"], ["b", "d"]):
+        # Both features update with the step's batch: the second changes nothing.
+        assert slots.update(batch).tolist() == slots.update(batch).tolist()
+    expected = [("arrived", ["a", "b", "c"], [0, 1, 2]),
+                ("left", ["a", "c"], [0, 2]),
+                ("arrived", ["d"], [2])]
+    assert control.events == retrieval.events == expected
 
 
 def test_departures_come_in_arrival_order():
     # A set difference would order them by string hashes, which differ
     # between processes (and so would the slots reused after them).
     slots = RequestSlots(8)
+    recorder = Recorder(slots)
     ids = [f"request-{i}" for i in range(8)]
-    slots.assign(ids)
-    assert slots.departed(ids[3:4]) == ids[:3] + ids[4:]
+    slots.update(ids)
+    slots.update(ids[3:4])
+    assert recorder.events[-1] == ("left", ids[:3] + ids[4:], [0, 1, 2, 4, 5, 6, 7])

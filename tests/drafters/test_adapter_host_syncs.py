@@ -202,23 +202,29 @@ def target_forward(proposer: Proposer, num_tokens: int) -> None:
                                   torch.empty(num_tokens, dtype=torch.int64, device=META))
 
 
+def run_steps(proposer: Proposer, steps: list[dict], inputs: list[dict]) -> None:
+    """The runner's steps: its host state, the target's forward, propose."""
+    input_batch = proposer.runner.input_batch
+    for rows, kwargs in zip(steps, inputs):
+        input_batch.req_ids = list(rows)
+        input_batch.num_computed_tokens_cpu[:len(rows)] = [c for _, c in rows.values()]
+        input_batch.num_prompt_tokens[:len(rows)] = [PROMPTS[r] for r in rows]
+        target_forward(proposer, kwargs["common_attn_metadata"].num_actual_tokens)
+        proposer.propose(K, **kwargs)
+
+
 @pytest.mark.parametrize("method, draft_window", [
     ("draft_model", MAX_MODEL_LEN),
     ("draft_model", 1024),  # compact positions: re-positioning, shifted positions
     ("eagle3", MAX_MODEL_LEN),  # a head: its kept hidden states
 ])
 def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method, draft_window):
-    inputs = [step_inputs(rows) for _, rows in STEPS]
+    steps = [rows for _, rows in STEPS]
+    inputs = [step_inputs(rows) for rows in steps]
     with HostSyncCheck(ALLOWED) as check:
         proposer = set_up(method, draft_window)
         script_plans(proposer)
-        input_batch = proposer.runner.input_batch
-        for (_, rows), kwargs in zip(STEPS, inputs):
-            input_batch.req_ids = list(rows)
-            input_batch.num_computed_tokens_cpu[:len(rows)] = [c for _, c in rows.values()]
-            input_batch.num_prompt_tokens[:len(rows)] = [PROMPTS[r] for r in rows]
-            target_forward(proposer, kwargs["common_attn_metadata"].num_actual_tokens)
-            proposer.propose(K, **kwargs)
+        run_steps(proposer, steps, inputs)
         proposer.metrics_snapshot()
     check.assert_none()
     # The paused steps skipped the draft's forward; the step after caught up
@@ -236,6 +242,31 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
         "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__"}
     assert set(check.allowed) == expected
     assert (proposer.control.paused_hidden is not None) == (method != "draft_model")
+
+
+def test_both_features_keep_requests_by_one_set_of_slots():
+    """The adapter's request slots are the planner's and goodput control's:
+    a request that leaves in a step nobody drafts in (no planning then)
+    leaves both features at once, and its slot goes to the next request.
+    Mutation: the planner keeping slots of its own fails it (it still
+    tracks "c" after the paused step)."""
+    proposer = set_up("draft_model", MAX_MODEL_LEN)
+    plans = script_plans(proposer)
+    plans[:] = [K, 0, K]
+    planner = proposer.retrieval.planner
+    controller = proposer.control.speculation.controller
+    assert planner.requests is controller.requests is proposer.requests
+    steps = [{"a": (1, 2000), "b": (1, 2500), "c": (1, 1800)},
+             {"a": (K + 1, 2001), "b": (K + 1, 2501)},  # "c" left; nobody drafts
+             {"a": (K + 1, 2005), "b": (K + 1, 2505), "d": (64, 0)}]
+    run_steps(proposer, steps[:2], [step_inputs(rows) for rows in steps[:2]])
+    assert [c["rows"] for c in proposer.calls] == [3]
+    assert sorted(planner.tracked_requests()) == ["a", "b"]
+    assert planner.stats.finished_requests == 1
+    assert "c" not in proposer.requests
+    slot_of_c = 2
+    run_steps(proposer, steps[2:], [step_inputs(steps[2])])
+    assert dict(proposer.requests.items()) == {"a": 0, "b": 1, "d": slot_of_c}
 
 
 def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, monkeypatch):

@@ -33,7 +33,7 @@ def settle_and_count(llm) -> int:
 @DRAFT_POSITIONS
 def test_preemption_keeps_outputs_and_frees_state(target_model, draft_model, draft_window,
                                                   target_reference):
-    """Mutation: ``RetrievalPlanner._forget_requests_not_in`` releasing
+    """Mutation: ``RetrievalPlanner._requests_left`` releasing
     nothing (finished and preempted requests keep their state) fails the
     count after settling; retrieval never engaging fails the count before."""
     prompts = corpus_prompts(target_model, [600, 650, 700, 750])

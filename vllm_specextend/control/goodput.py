@@ -127,11 +127,14 @@ class GoodputController(ForcedDrafts):
         free_pause: bool,
         parameters: ControlParameters = ControlParameters(),
         full_graph_query_len: int | None = None,
+        requests: RequestSlots | None = None,
     ) -> None:
         """``full_graph_query_len``: the query length of every request in a
         decode step that runs in the target's FULL CUDA graphs (``1 + K``
-        under vLLM's FULL decode graphs); None: no FULL graphs. (Long for
-        the docstrings of the per-slot fields: it only assigns.)"""
+        under vLLM's FULL decode graphs); None: no FULL graphs.
+        ``requests``: the drafter's request slots, shared with its other
+        feature (None: its own). (Long for the docstrings of the per-slot
+        fields: it only assigns.)"""
         self.num_speculative_tokens = num_speculative_tokens
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
@@ -145,7 +148,8 @@ class GoodputController(ForcedDrafts):
                                               prior=p.acceptance_prior,
                                               probe_smoothing=p.probe_smoothing)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
-        self.requests = RequestSlots(max_requests)
+        self.requests = RequestSlots(max_requests) if requests is None else requests
+        self.requests.subscribe(arrived=self._admit, left=self._finish)
         # Per slot, between steps:
         self._context_len = np.full(max_requests, -1, dtype=np.int64)
         """Context length at the previous step (-1: not seen yet)."""
@@ -186,22 +190,22 @@ class GoodputController(ForcedDrafts):
     # ---- per step --------------------------------------------------------
 
     def admit(self, req_ids: list[str]) -> np.ndarray:
-        """Each request's slot; a new request starts from the engine's
-        acceptance estimates and the latest probe back-off."""
-        slots, new_rows = self.requests.assign(req_ids)
-        if new_rows:
-            new = slots[new_rows]
-            self._context_len[new] = -1
-            self._verified_drafts[new] = 0
-            self._drafted[new] = -1
-            self._probed[new] = False
-            self._verified_probe[new] = False
-            self._paused_steps[new] = 0
-            self._probe_after[new] = self._arrival_probe_after
-            self._drafted_steps[new] = 0
-            self._paused_decode_steps[new] = 0
-            self.acceptance.rates[new] = self.acceptance.engine_rates
-        return slots
+        """Each request's slot (new requests take one: :meth:`_admit`)."""
+        return self.requests.update(req_ids)
+
+    def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
+        """New requests start from the engine's acceptance estimates and the
+        latest probe back-off."""
+        self._context_len[new] = -1
+        self._verified_drafts[new] = 0
+        self._drafted[new] = -1
+        self._probed[new] = False
+        self._verified_probe[new] = False
+        self._paused_steps[new] = 0
+        self._probe_after[new] = self._arrival_probe_after
+        self._drafted_steps[new] = 0
+        self._paused_decode_steps[new] = 0
+        self.acceptance.rates[new] = self.acceptance.engine_rates
 
     def observe(self, outcome: StepOutcome) -> None:
         """What the engine did with the last plan (its cost is learnt at the
@@ -322,12 +326,13 @@ class GoodputController(ForcedDrafts):
         self.stats.drafted_request_steps += drafted
         self.stats.paused_request_steps += decoding_lengths.size - drafted
 
-    def finish(self, req_ids) -> None:
-        """Forget requests that left the batch (finished or aborted)."""
-        freed = self.requests.release(req_ids)
-        if not freed:
-            return
-        freed = np.array(freed, dtype=np.int64)
+    def finish(self, req_ids: list[str]) -> None:
+        """Requests that left the batch (finished or aborted): their slots
+        are freed (:meth:`_finish`)."""
+        self.requests.release(req_ids)
+
+    def _finish(self, req_ids: list[str], freed: np.ndarray) -> None:
+        """Keep the paused share of requests that left, for the metrics."""
         paused = self._paused_decode_steps[freed]
         decode_steps = self._drafted_steps[freed] + paused
         stats = self.stats

@@ -26,6 +26,7 @@ from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
 from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.core.planner import PlanningBatch
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.control.speculation_control import SpeculationControl
@@ -49,11 +50,14 @@ class DraftControl:
         max_num_reqs: int,
         max_num_tokens: int,
         device: torch.device,
+        requests: RequestSlots | None = None,
     ) -> None:
         """Args:
             method: vLLM's speculative method.
             keeps_hidden_states: the drafter is fed the target's hidden
                 states (an EAGLE head): a pause keeps them for its catch-up.
+            requests: the drafter's request slots, shared with retrieval
+                (None: its own).
         """
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -80,6 +84,7 @@ class DraftControl:
             # window allows; a head keeps only recent hidden states.
             defer_prompts=is_draft_model and not compact_positions,
             full_graph_query_len=full_graph_query_len,
+            requests=requests,
         )
         """The engine's controller (None: switched off, which the benchmarks
         do between runs: ``benchmarks/worker_hooks.py``)."""

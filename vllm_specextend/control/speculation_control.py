@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
+from vllm_specextend.core.request_slots import RequestSlots
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class CatchUp:
 
 class SpeculationControl:
     """Per engine step: how many drafts each request gets, and whether the
-    draft's forward runs. Per-request state is held in arrays by the
-    controller's request slots."""
+    draft's forward runs. Per-request state is held in arrays by request
+    slot (:class:`RequestSlots`, shared with the controller)."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class SpeculationControl:
         max_catch_up: int | None = None,
         defer_prompts: bool = False,
         full_graph_query_len: int | None = None,
+        requests: RequestSlots | None = None,
     ) -> None:
         """Args:
             free_pause: a step where nobody drafts skips the draft's forward.
@@ -82,6 +84,8 @@ class SpeculationControl:
             full_graph_query_len: ``1 + K`` when the target replays FULL CUDA
                 graphs for uniform decode steps only: the controller learns
                 what leaving them costs (``GoodputController``).
+            requests: the drafter's request slots, shared with retrieval
+                (None: its own).
         """
         self.free_pause = free_pause
         self.defer_prompts = defer_prompts and free_pause
@@ -90,7 +94,9 @@ class SpeculationControl:
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
         self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause,
-                                            full_graph_query_len=full_graph_query_len)
+                                            full_graph_query_len=full_graph_query_len,
+                                            requests=requests)
+        self.controller.requests.subscribe(left=self._forget)
         self.draft_lengths: dict[str, int] = {}
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._limits: tuple[list[str], np.ndarray] | None = None
@@ -134,7 +140,6 @@ class SpeculationControl:
         (``block_table``: the rows' KV block ids on the host, to keep prefix
         cache hits on blocks without the draft's KV right; None: not kept)."""
         self._blocks = None if block_table is None else (block_table, block_size)
-        self._forget(self.controller.requests.departed(req_ids))
         slots = self.controller.admit(req_ids)
         now = self.clock()
         self._advance_frontiers(slots, context_lens)
@@ -169,16 +174,12 @@ class SpeculationControl:
             self._keep_lagging_blocks(slots, seq_lens, behind)
         return plan, runs
 
-    def _forget(self, left: list[str]) -> None:
+    def _forget(self, left: list[str], slots: np.ndarray) -> None:
         """Requests that left the batch: the blocks of one that left behind
         its frontier turn stale."""
-        if not left:
-            return
-        slots = self.controller.slots(left)
         for slot in slots[self._lagging[slots] & ~self._synced[slots]].tolist():
             self._stale_blocks.update(
                 self._lag_table[slot, self._lag_start[slot]:self._lag_end[slot]].tolist())
-        self.controller.finish(left)
         self._frontier[slots] = -1
         self._synced[slots] = self._deferred[slots] = self._lagging[slots] = False
 

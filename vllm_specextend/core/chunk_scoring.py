@@ -41,6 +41,13 @@ class ChunkScoring:
     _score_sums: torch.Tensor | None
     _sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None
 
+    def _drop_scores(self, slot: int) -> None:
+        """A request stops being tracked: with ``accepted_tokens`` its sums
+        since its last retrieval must not pass to the next request in its
+        slot (a fill of one row: no host value reaches the device)."""
+        if self._score_sums is not None and self.config.score_aggregation == "accepted_tokens":
+            self._score_sums[slot].zero_()
+
     def _score(self, batch: PlanningBatch, step: StepRows, staged: StagedRows) -> None:
         """cmr: chunk scores from the target's last layer, for the rows due
         (``last_token``) or every retrieval row (``accepted_tokens``)."""

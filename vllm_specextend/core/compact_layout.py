@@ -7,7 +7,7 @@ working cache are read from the request's own area.
 :class:`CompactLayout` is a base of
 :class:`~vllm_specextend.core.planner.RetrievalPlanner`, which sets the
 attributes annotated below and provides ``_sink_blocks`` and ``_num_blocks``
-(``_slots_of_rows`` comes from
+(``_area_of_slot`` comes from
 :class:`~vllm_specextend.core.request_rows.RequestRows`, ``_chunk_scores``
 from :class:`~vllm_specextend.core.chunk_scoring.ChunkScoring`).
 """
@@ -53,7 +53,7 @@ class CompactLayout:
         ones, which only this request writes, stay in place."""
         layouts = self.private_layouts
         assert layouts is not None
-        private_slots = self._slots_of_rows(batch.req_ids, step.private_rows)
+        private_slots = step.slots[step.private_rows]
         rows = self._index_stager(step.private_rows)
         slots = self._index_stager(private_slots)
         first_blocks = self._index_stager(

@@ -40,7 +40,9 @@ from vllm_specextend.core.draft_view import (
     WorkingCacheRewrite,
 )
 from vllm_specextend.core.options import SpecExtendConfig
+from vllm_specextend.core.refresh import REFRESH_CAUSES
 from vllm_specextend.core.request_rows import RequestRows, StagedRows, StepRows, decode_rows
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.scoring import ScoringWorkspace
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 from vllm_specextend.core.selection_triton import (
@@ -77,6 +79,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         device: torch.device,
         steps_in_flight: int = 2,
         sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        requests: RequestSlots | None = None,
     ) -> None:
         """
         Args:
@@ -84,6 +87,8 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
                 read (``VllmConfig.max_concurrent_batches``); sizes staging.
             sum_over_ranks: sums per-chunk scores over tensor-parallel ranks,
                 each of which scores its own heads (None: one rank).
+            requests: the drafter's request slots, shared with goodput
+                control (None: its own).
         """
         self.config = config
         self.max_model_len = max_model_len
@@ -92,7 +97,10 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self.compact_positions = compact_positions
         self.device = device
         self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
-        super().__init__(max_num_reqs)
+        if requests is not None and requests.capacity != max_num_reqs:
+            raise ValueError(f"request slots for {requests.capacity} requests, "
+                             f"planner for {max_num_reqs}")
+        super().__init__(RequestSlots(max_num_reqs) if requests is None else requests)
         self._max_num_reqs = max_num_reqs
         self._sum_over_ranks = sum_over_ranks
         self.tap: TargetAttentionTap | None = None
@@ -181,8 +189,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self.config = config
         config.check_chunk_size(self.block_size)
         self.chunk_size = config.resolved_chunk_size(self.block_size)
-        for req_id in list(self._requests):
-            self._forget(req_id, finished=False)
+        self._forget_all(finished=False)
         self._allocate_selection_state()
         self._warm_up_kernels()
 
@@ -190,11 +197,11 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
 
     def plan(self, batch: PlanningBatch) -> DraftView | None:
         """The draft's view for this step, or None when every row sees all."""
+        slots = self.requests.update(batch.req_ids)
         if not self.config.retrieves:
-            self._forget_requests_not_in([])
+            self._forget_all()
             return None
-        self._forget_requests_not_in(batch.req_ids)
-        step = self._classify_rows(batch)
+        step = self._classify_rows(batch, slots)
         if step.empty:
             return None
         staged = self._stage(batch, step)
@@ -323,7 +330,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
             # A fill through device indices (a Python scalar through an
             # index would be copied to the device, blocking).
             self._score_sums.index_fill_(0, due_slots, 0.0)
-        self._note_retrievals(batch, step)
+        self._note_retrievals(step)
         if not self.compact_positions:
             return []
         # Kept context before the query: at most the working cache.
@@ -348,16 +355,17 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         """Aggregate and per-request retrieval figures (reads the device)."""
         return {
             **self.stats.as_dict(),
-            "tracked_requests": len(self._requests),
+            "tracked_requests": int(self._tracked.sum()),
             "private_layout_areas": self.private_layouts.areas if self.private_layouts else 0,
             "layouts_in_place": self.layouts_in_place,
             "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
             "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
             "requests": {
-                req_id: {"retrievals": int(state.refresh_counts.sum()),
-                         "refreshes": state.refreshes,
-                         **self.stats.request_figures(state.slot)}
-                for req_id, state in self._requests.items()
+                req_id: {"retrievals": int(self._refresh_counts[slot].sum()),
+                         "refreshes": dict(zip(REFRESH_CAUSES,
+                                               self._refresh_counts[slot].tolist())),
+                         **self.stats.request_figures(slot)}
+                for req_id, slot in self.tracked_requests().items()
             },
         }
 

@@ -1,16 +1,20 @@
 """The planner's per-request state and its classification of a step's rows.
 
-Each tracked request holds a slot in per-slot host arrays (decoded yet, steps
-since its last retrieval, selection made, private area, retrievals by cause);
-:meth:`RequestRows._classify_rows` is numpy over those arrays (no device
-reads): which rows retrieve, which are due, which prefill windowed.
+The planner's state lives in per-slot host arrays, by the drafter's request
+slots (``core/request_slots.py``, shared with goodput control): tracked,
+decoded yet, steps since its last retrieval, selection made, private area,
+retrievals by cause. A request is tracked from its first retrieval row (or
+windowed prompt chunk with private layouts) until it leaves the batch or
+starts over; :meth:`RequestRows._classify_rows` is numpy over those arrays
+(no device reads): which rows retrieve, which are due, which prefill
+windowed.
 :class:`RequestRows` is a base of :class:`~vllm_specextend.core.planner.RetrievalPlanner`,
 which sets the attributes annotated below.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +24,7 @@ from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.draft_view import PlanningBatch, PrivateLayouts
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
+from vllm_specextend.core.request_slots import RequestSlots
 
 
 def decode_rows(
@@ -47,24 +52,13 @@ _FIRST, _INTERVAL, _ACCEPTANCE = (REFRESH_CAUSES.index(c)
                                   for c in ("first", "interval", "acceptance"))
 
 
-@dataclass
-class _RequestState:
-    slot: int
-    refresh_counts: np.ndarray
-    """``[len(REFRESH_CAUSES)]``: its row of the planner's per-slot counts."""
-    area: int = -1
-    """Its private layout area (-1: laid out in place)."""
-    acceptance: AcceptanceTrend = field(default_factory=AcceptanceTrend)
-    """Observed only with ``retrieval_refresh: acceptance``."""
-
-    @property
-    def refreshes(self) -> dict[str, int]:
-        """Retrievals by cause."""
-        return dict(zip(REFRESH_CAUSES, self.refresh_counts.tolist()))
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 
 def _rows() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)
+    """No rows (one shared read-only array: a step builds a dozen defaults)."""
+    return _NO_ROWS
 
 
 @dataclass
@@ -90,6 +84,8 @@ class StepRows:
     the first drafts after the prompt already see them."""
     seq_lens: np.ndarray | None = None
     """``[num_reqs]``: context length including this step's query."""
+    slots: np.ndarray = field(default_factory=_rows)
+    """``[num_reqs]``: each row's request slot."""
     private_rows: np.ndarray = field(default_factory=_rows)
     """Rows with a private layout area (retrieval and windowed prefill)."""
 
@@ -112,7 +108,7 @@ class StagedRows:
 
 
 class RequestRows:
-    """Per-request state arrays, request tracking and row classification."""
+    """Per-slot request state, request tracking and row classification."""
 
     config: SpecExtendConfig
     stats: RetrievalStats
@@ -122,23 +118,30 @@ class RequestRows:
     private_layouts: PrivateLayouts | None
     _free_areas: list[int]
     layouts_in_place: int
+    _drop_scores: Callable[[int], None]
+    """From :class:`~vllm_specextend.core.chunk_scoring.ChunkScoring`."""
 
-    def __init__(self, max_num_reqs: int) -> None:
-        self._requests: dict[str, _RequestState] = {}
-        self._slot_of: dict[str, int] = {}
-        self._free_slots = list(range(max_num_reqs))
+    def __init__(self, requests: RequestSlots) -> None:
+        self.requests = requests
+        requests.subscribe(left=self._requests_left)
+        capacity = requests.capacity
         # Per request slot, on the host: classification is numpy over these.
-        self._decoded = np.zeros(max_num_reqs, dtype=bool)
+        self._tracked = np.zeros(capacity, dtype=bool)
+        self._decoded = np.zeros(capacity, dtype=bool)
         """Tracked since a decode step (else only through windowed prefill)."""
-        self._steps_since_retrieval = np.zeros(max_num_reqs, dtype=np.int64)
-        self._has_selection = np.zeros(max_num_reqs, dtype=bool)
-        self._area_of_slot = np.full(max_num_reqs, -1, dtype=np.int64)
-        self._refresh_counts = np.zeros((max_num_reqs, len(REFRESH_CAUSES)), dtype=np.int64)
+        self._steps_since_retrieval = np.zeros(capacity, dtype=np.int64)
+        self._has_selection = np.zeros(capacity, dtype=bool)
+        self._area_of_slot = np.full(capacity, -1, dtype=np.int64)
+        """Its private layout area (-1: laid out in place)."""
+        self._refresh_counts = np.zeros((capacity, len(REFRESH_CAUSES)), dtype=np.int64)
+        """Retrievals by cause."""
+        self._acceptance: list[AcceptanceTrend | None] = [None] * capacity
+        """Observed only with ``retrieval_refresh: acceptance``."""
 
-    def _classify_rows(self, batch: PlanningBatch) -> StepRows:
-        """Host-side, numpy over per-slot state: which rows retrieve, which
-        are due, which prefill windowed; tracks new requests and drops
-        prefilling ones."""
+    def _classify_rows(self, batch: PlanningBatch, slots: np.ndarray) -> StepRows:
+        """Host-side, numpy over per-slot state (``slots``: the rows'): which
+        rows retrieve, which are due, which prefill windowed; tracks new
+        requests and drops prefilling ones."""
         config = self.config
         k = self.max_num_speculative_tokens
         query_lens = np.asarray(batch.query_lens_cpu)
@@ -153,13 +156,16 @@ class RequestRows:
         beyond_window = seq_lens + k > self.draft_window
         if self.compact_positions:
             eligible |= is_decode & beyond_window
-        step = StepRows(seq_lens=seq_lens)
+        step = StepRows(seq_lens=seq_lens, slots=slots)
         if not is_decode.all():
-            self._classify_prompt_chunks(batch, step, is_decode, beyond_window,
+            self._classify_prompt_chunks(step, slots, is_decode, beyond_window,
                                          seq_lens >= prompt_lens)
 
         rows = np.flatnonzero(eligible)
-        slots = self._slots_of_rows(batch.req_ids, rows, track=True)
+        slots = slots[rows]
+        new = slots[~self._tracked[slots]]
+        if new.size:
+            self._track(new)
         self._decoded[slots] = True
         self._steps_since_retrieval[slots] += 1
         steps = self._steps_since_retrieval[slots]
@@ -167,7 +173,7 @@ class RequestRows:
         causes = np.where(~self._has_selection[slots], _FIRST, np.where(
             steps >= config.retrieval_interval, _INTERVAL, _NO_REFRESH))
         if config.retrieval_refresh == "acceptance":
-            self._acceptance_refreshes(batch, rows, steps, causes)
+            self._acceptance_refreshes(batch, rows, slots, steps, causes)
         due = causes != _NO_REFRESH
         step.retrieval_rows, step.retrieval_slots = rows, slots
         step.due_rows, step.due_slots, step.due_causes = rows[due], slots[due], causes[due]
@@ -177,109 +183,112 @@ class RequestRows:
         step.private_rows = private
         return step
 
-    def _classify_prompt_chunks(self, batch: PlanningBatch, step: StepRows,
+    def _classify_prompt_chunks(self, step: StepRows, slots: np.ndarray,
                                 is_decode: np.ndarray, beyond_window: np.ndarray,
                                 ends_prompt: np.ndarray) -> None:
         """Prompt chunks (few rows a step): a request starts over, or, with
         compact positions beyond the window, prefills windowed."""
         windowed_rows, last_chunk_rows, private_rows = [], [], []
         for row in np.flatnonzero(~is_decode).tolist():
-            req_id = batch.req_ids[row]
+            slot = int(slots[row])
             windowed = self.compact_positions and bool(beyond_window[row])
-            self._forget_unless_prefilling(req_id, windowed)
+            self._forget_unless_prefilling(slot, windowed)
             if windowed:
                 windowed_rows.append(row)
                 if self.config.mode == "cmr" and ends_prompt[row]:
                     last_chunk_rows.append(row)
-                if self._has_private_area(req_id):
+                if self._has_private_area(slot):
                     private_rows.append(row)
         step.windowed_prefill_rows = np.array(windowed_rows, dtype=np.int64)
         step.last_prompt_chunk_rows = np.array(last_chunk_rows, dtype=np.int64)
         step.private_rows = np.array(private_rows, dtype=np.int64)
 
-    def _slots_of_rows(self, req_ids: list[str], rows: np.ndarray,
-                       track: bool = False) -> np.ndarray:
-        """The request slots of ``rows`` (``track``: new requests get one)."""
-        slots = np.fromiter(map(self._slot_of.get, req_ids, itertools.repeat(-1)),
-                            dtype=np.int64, count=len(req_ids))[rows]
-        if track:
-            for index in np.flatnonzero(slots < 0).tolist():
-                slots[index] = self._track(req_ids[rows[index]]).slot
-        return slots
-
-    def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, steps: np.ndarray,
-                              causes: np.ndarray) -> None:
+    def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, slots: np.ndarray,
+                              steps: np.ndarray, causes: np.ndarray) -> None:
         """``retrieval_refresh: acceptance``: observe each row's acceptance
         and mark the rows whose acceptance dropped (a loop over the rows:
         this option only)."""
         drop = self.config.acceptance_drop
-        for index, row in enumerate(rows.tolist()):
-            trend = self._requests[batch.req_ids[row]].acceptance
+        for index, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+            trend = self._acceptance[slot]
             trend.observe(int(batch.context_lens_cpu[row]), int(batch.query_lens_cpu[row]),
                           int(steps[index]))
             if causes[index] == _NO_REFRESH and trend.dropped(drop):
                 causes[index] = _ACCEPTANCE
-    def _note_retrievals(self, batch: PlanningBatch, step: StepRows) -> None:
+
+    def _note_retrievals(self, step: StepRows) -> None:
         """Host bookkeeping of the rows that retrieved: new selections, by cause."""
         self._has_selection[step.due_slots] = True
         self._steps_since_retrieval[step.due_slots] = 0
-        np.add.at(self._refresh_counts, (step.due_slots, step.due_causes), 1)
+        # A slot is due at most once a step: no repeated index to add.at.
+        self._refresh_counts[step.due_slots, step.due_causes] += 1
         for cause, count in zip(REFRESH_CAUSES, np.bincount(
                 step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
             self.stats.refreshes[cause] += count
         if self.config.retrieval_refresh == "acceptance":
-            for row, cause in zip(step.due_rows.tolist(), step.due_causes.tolist()):
-                self._requests[batch.req_ids[row]].acceptance.new_selection(
-                    REFRESH_CAUSES[cause])
-    def _track(self, req_id: str) -> _RequestState:
-        slot = self._free_slots.pop()
-        state = _RequestState(slot=slot, refresh_counts=self._refresh_counts[slot])
+            for slot, cause in zip(step.due_slots.tolist(), step.due_causes.tolist()):
+                self._acceptance[slot].new_selection(REFRESH_CAUSES[cause])
+
+    def _track(self, slots: np.ndarray) -> None:
+        """Start tracking the requests in ``slots``: fresh state, and a
+        private area each while one is free."""
+        self._tracked[slots] = True
+        self._decoded[slots] = False
+        self._steps_since_retrieval[slots] = 0
+        self._has_selection[slots] = False
+        self._area_of_slot[slots] = -1
+        self._refresh_counts[slots] = 0
         if self.private_layouts is not None:
-            if self._free_areas:
-                state.area = self._free_areas.pop()
-            else:
-                self.layouts_in_place += 1
-        self._decoded[slot] = False
-        self._steps_since_retrieval[slot] = 0
-        self._has_selection[slot] = False
-        self._area_of_slot[slot] = state.area
-        state.refresh_counts[:] = 0
-        self._requests[req_id] = state
-        self._slot_of[req_id] = slot
-        return state
+            for slot in slots.tolist():
+                if self._free_areas:
+                    self._area_of_slot[slot] = self._free_areas.pop()
+                else:
+                    self.layouts_in_place += 1
+        if self.config.retrieval_refresh == "acceptance":
+            for slot in slots.tolist():
+                self._acceptance[slot] = AcceptanceTrend()
 
-    def _forget(self, req_id: str, finished: bool = True) -> None:
-        state = self._requests.pop(req_id, None)
-        if state is None:
-            return
-        del self._slot_of[req_id]
-        if finished and self._decoded[state.slot]:
-            self.stats.finish_request(state.slot)
+    def _forget(self, slot: int, finished: bool = True) -> None:
+        """Stop tracking the request in ``slot`` (its figures are kept as a
+        finished request's if it decoded)."""
+        self._tracked[slot] = False
+        if finished and self._decoded[slot]:
+            self.stats.finish_request(slot)
         else:
-            self.stats.clear_slot(state.slot)
-        self._free_slots.append(state.slot)
-        if state.area >= 0:
-            self._free_areas.append(state.area)
+            self.stats.clear_slot(slot)
+        self._drop_scores(slot)
+        area = int(self._area_of_slot[slot])
+        if area >= 0:
+            self._free_areas.append(area)
+            self._area_of_slot[slot] = -1
 
-    def _forget_unless_prefilling(self, req_id: str, windowed: bool) -> None:
+    def _forget_all(self, finished: bool = True) -> None:
+        for slot in np.flatnonzero(self._tracked).tolist():
+            self._forget(slot, finished)
+
+    def _forget_unless_prefilling(self, slot: int, windowed: bool) -> None:
         """A prompt chunk: the request starts over (a preempted request
         recomputes), except that with private layouts a windowed prefill
         keeps the state (and area) its earlier chunks made."""
-        state = self._requests.get(req_id)
-        if (state is None or not windowed or self.private_layouts is None
-                or self._decoded[state.slot]):
-            self._forget(req_id)
+        if self._tracked[slot] and (not windowed or self.private_layouts is None
+                                    or self._decoded[slot]):
+            self._forget(slot)
 
-    def _has_private_area(self, req_id: str) -> bool:
+    def _has_private_area(self, slot: int) -> bool:
         """With private layouts, a windowed prefill is tracked for its area."""
         if self.private_layouts is None:
             return False
-        state = self._requests.get(req_id) or self._track(req_id)
-        return state.area >= 0
+        if not self._tracked[slot]:
+            self._track(np.array([slot]))
+        return bool(self._area_of_slot[slot] >= 0)
 
-    def _forget_requests_not_in(self, req_ids: list[str]) -> None:
-        """Free the state of finished, aborted or preempted requests."""
-        gone = self._requests.keys() - set(req_ids)
-        # In tracking order: slots are freed (and reused) deterministically.
-        for req_id in [r for r in self._requests if r in gone] if gone else ():
-            self._forget(req_id)
+    def _requests_left(self, req_ids: list[str], slots: np.ndarray) -> None:
+        """Finished, aborted or preempted requests (``RequestSlots`` tells,
+        in arrival order): their state is freed."""
+        for slot in slots[self._tracked[slots]].tolist():
+            self._forget(slot)
+
+    def tracked_requests(self) -> dict[str, int]:
+        """The requests tracked, by id, and their slots."""
+        tracked = self._tracked
+        return {req_id: slot for req_id, slot in self.requests.items() if tracked[slot]}

@@ -1,15 +1,23 @@
 """Per-request slots: each live request of the engine holds one index in
-``0 .. capacity - 1`` for its per-request arrays, from its first step until it
-leaves the batch.
+``0 .. capacity - 1`` for its per-request arrays, from the first step it is
+in until it leaves the batch.
 
-Host-only bookkeeping, independent of vLLM. A batch that repeats the last
-one's requests (most steps) is answered from a cache, so a step costs a list
-comparison rather than a dictionary look-up per request.
+One instance per drafter, shared by its features (retrieval's planner and
+goodput control): whichever sees a step's batch first updates it, and every
+feature is told which requests arrived and which left, whether or not it
+runs that step. Host-only bookkeeping, independent of vLLM. A batch that
+repeats the last one's requests (most steps) is answered from a cache, so a
+step costs a list comparison rather than a dictionary look-up per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+SlotHandler = Callable[[list[str], np.ndarray], None]
+"""Called with request ids and their slots (``[n]``, int64)."""
 
 
 class RequestSlots:
@@ -21,6 +29,18 @@ class RequestSlots:
         self._free = list(range(capacity - 1, -1, -1))
         self._last_ids: list[str] | None = None
         self._last_slots = np.zeros(0, dtype=np.int64)
+        self._on_arrival: list[SlotHandler] = []
+        self._on_departure: list[SlotHandler] = []
+
+    def subscribe(self, *, arrived: SlotHandler | None = None,
+                  left: SlotHandler | None = None) -> None:
+        """Have ``arrived`` called with the requests that took slots (before
+        the update that assigned them returns) and ``left`` with those that
+        left (before their slots are freed), in the order of subscription."""
+        if arrived is not None:
+            self._on_arrival.append(arrived)
+        if left is not None:
+            self._on_departure.append(left)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._slot_of
@@ -32,43 +52,44 @@ class RequestSlots:
         """``(req_id, slot)`` of the live requests, in the order they arrived."""
         return self._slot_of.items()
 
-    def assign(self, req_ids: list[str]) -> tuple[np.ndarray, list[int]]:
-        """Each request's slot (``[rows]``), taking a free one for a request
-        not seen before; and the rows of those new requests."""
+    def update(self, req_ids: list[str]) -> np.ndarray:
+        """This step's batch: the live requests not in it leave, those new in
+        it take free slots (subscribers are told of both); each row's slot
+        (``[rows]``). Calling it again with the same batch changes nothing."""
         if req_ids == self._last_ids:
-            return self._last_slots, []
+            return self._last_slots
         slot_of = self._slot_of
+        present = set(req_ids)
+        # In arrival order: freed slots are reused in the same order on
+        # every run and every rank.
+        self.release([req_id for req_id in slot_of if req_id not in present])
         new_rows = [row for row, req_id in enumerate(req_ids) if req_id not in slot_of]
         for row in new_rows:
             slot_of[req_ids[row]] = self._free.pop()
         slots = np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         self._last_ids, self._last_slots = list(req_ids), slots
-        return slots, new_rows
+        if new_rows:
+            self._notify(self._on_arrival, [req_ids[row] for row in new_rows], slots[new_rows])
+        return slots
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
-        """The slots of requests already assigned."""
+        """The slots of live requests."""
         if req_ids == self._last_ids:
             return self._last_slots
         return np.array([self._slot_of[r] for r in req_ids], dtype=np.int64)
 
-    def departed(self, req_ids: list[str]) -> list[str]:
-        """Live requests not in ``req_ids`` (they left the batch), in the
-        order they arrived: freed slots are reused in the same order on
-        every run and every rank."""
-        if req_ids == self._last_ids:
-            return []
-        present = set(req_ids)
-        return [req_id for req_id in self._slot_of if req_id not in present]
+    def release(self, req_ids: list[str]) -> None:
+        """Requests that left (unknown ones are skipped): subscribers are
+        told, then their slots are freed, in the order given."""
+        left = [req_id for req_id in req_ids if req_id in self._slot_of]
+        if not left:
+            return
+        slots = np.array([self._slot_of.pop(req_id) for req_id in left], dtype=np.int64)
+        self._notify(self._on_departure, left, slots)
+        self._free += slots.tolist()
+        self._last_ids = None
 
-    def release(self, req_ids) -> list[int]:
-        """Free the slots of requests that left (unknown ones are skipped);
-        their slots, in the order given."""
-        freed = []
-        for req_id in req_ids:
-            slot = self._slot_of.pop(req_id, None)
-            if slot is not None:
-                self._free.append(slot)
-                freed.append(slot)
-        if freed:
-            self._last_ids = None
-        return freed
+    @staticmethod
+    def _notify(handlers: list[SlotHandler], req_ids: list[str], slots: np.ndarray) -> None:
+        for handler in handlers:
+            handler(req_ids, slots)

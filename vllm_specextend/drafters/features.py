@@ -1,17 +1,22 @@
 """What every adapter holds, whatever runner hosts it: an optional retrieval
 (built when ``mode`` is not ``off``) and an optional goodput control, side by
-side. Neither reaches through the other; the adapter's ``propose`` calls each
-in turn."""
+side, and the request slots both keep their per-request state by. Neither
+reaches through the other; the adapter's ``propose`` calls each in turn, and
+whichever sees a step's batch first updates the slots, which tell both
+features which requests arrived and which left."""
 
 from __future__ import annotations
 
 from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
 class DrafterFeatures:
     """The worker's and the benchmarks' view of an adapter's two features."""
 
+    requests: RequestSlots
+    """Per-request slots and departures, for both features."""
     retrieval: DraftRetrieval | None = None
     """Retrieval (``mode`` other than ``off``); always there in MRV2, where
     goodput control does not run."""

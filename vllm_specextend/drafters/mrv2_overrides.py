@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.drafters.features import DrafterFeatures
 from vllm_specextend.retrieval.engine_options import RetrievalSetup, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
@@ -71,6 +72,7 @@ class MRV2Overrides(DrafterFeatures):
         setup: RetrievalSetup | None = None,
     ):
         super().__init__(vllm_config, device)
+        self.requests = RequestSlots(self.max_num_reqs)
         self.retrieval = DraftRetrieval(
             setup or kept_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
@@ -79,6 +81,7 @@ class MRV2Overrides(DrafterFeatures):
             max_num_tokens=self.max_num_tokens + self.max_num_reqs,
             dtype=self.dtype,
             device=device,
+            requests=self.requests,
         )
         self._draft_view: DraftView | None = None
         # What the draft's attention reads, staged every step. One extra

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_specextend.control.owner import DraftControl
 from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.drafters.features import DrafterFeatures
 from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
@@ -48,6 +49,7 @@ class V1Overrides(DrafterFeatures):
         super().__init__(vllm_config, device, runner)
         setup = getattr(runner, SETUP_ATTRIBUTE, None) or kept_setup(vllm_config)
         self.runner = runner
+        self.requests = RequestSlots(self.max_batch_size)
         self.retrieval: DraftRetrieval | None = None
         if setup.config.retrieves:
             self.retrieval = DraftRetrieval(
@@ -57,6 +59,7 @@ class V1Overrides(DrafterFeatures):
                 max_num_tokens=self.max_num_tokens,
                 dtype=self.dtype,
                 device=device,
+                requests=self.requests,
             )
         self.control: DraftControl | None = None
         if setup.config.controls_speculation:
@@ -71,6 +74,7 @@ class V1Overrides(DrafterFeatures):
                 max_num_reqs=self.max_batch_size,
                 max_num_tokens=self.max_num_tokens,
                 device=device,
+                requests=self.requests,
             )
         self._draft_view: DraftView | None = None
         # Per flat draft token: compact position = original - shift.

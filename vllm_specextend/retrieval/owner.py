@@ -29,6 +29,7 @@ from vllm_specextend.core.planner import (
     RetrievalPlanner,
 )
 from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
+from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import (
@@ -75,7 +76,10 @@ class DraftRetrieval:
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        requests: RequestSlots | None = None,
     ) -> None:
+        """``requests``: the drafter's request slots, shared with goodput
+        control (None: the planner's own)."""
         self.setup = setup
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
@@ -92,6 +96,7 @@ class DraftRetrieval:
             device=device,
             steps_in_flight=setup.steps_in_flight,
             sum_over_ranks=sum_over_tensor_parallel_ranks,
+            requests=requests,
         )
         self.target_layer_name: str | None = None
         self.target_layer: torch.nn.Module | None = None
