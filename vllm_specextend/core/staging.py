@@ -62,7 +62,9 @@ class IndexStager:
         """
         if depth < 2:
             raise ValueError(f"IndexStager depth must be >= 2, got {depth}")
-        shape = (depth, lists_per_step, max_len)
+        # Per set, the step's lists back to back: one copy and one split
+        # stage several.
+        shape = (depth, lists_per_step * max_len)
         on_host = device.type == "cpu"
         self.depth = depth
         self.lists_per_step = lists_per_step
@@ -73,11 +75,12 @@ class IndexStager:
             self._host if on_host else torch.zeros(shape, dtype=torch.int64, device=device)
         )
         self._set = 0
-        self._used = 0
+        self._lists = 0
+        self._end = 0
 
     def next_step(self) -> IndexStager:
         self._set = (self._set + 1) % self.depth
-        self._used = 0
+        self._lists = self._end = 0
         return self
 
     def __call__(self, values: list[int] | np.ndarray) -> torch.Tensor:
@@ -86,20 +89,20 @@ class IndexStager:
         return self.stage(values)[0]
 
     def stage(self, *lists: list[int] | np.ndarray) -> list[torch.Tensor]:
-        """Several lists with one copy (their rows are contiguous)."""
-        first = self._used
-        if first + len(lists) > self.lists_per_step:
+        """Several lists with one copy (they lie back to back)."""
+        if self._lists + len(lists) > self.lists_per_step:
             raise RuntimeError(
                 f"more than {self.lists_per_step} index lists staged in one step"
             )
-        self._used += len(lists)
-        rows = self._host_np[self._set]
-        for index, values in enumerate(lists, start=first):
-            rows[index, :len(values)] = values
-        end = first + len(lists)
+        self._lists += len(lists)
+        lengths = [len(values) for values in lists]
+        start = end = self._end
+        row = self._host_np[self._set]
+        for values, length in zip(lists, lengths):
+            row[end:end + length] = values
+            end += length
+        self._end = end
         if self._device is not self._host:
-            self._device[self._set, first:end].copy_(self._host[self._set, first:end],
+            self._device[self._set, start:end].copy_(self._host[self._set, start:end],
                                                      non_blocking=True)
-        device_rows = self._device[self._set]
-        return [device_rows[index, :len(values)]
-                for index, values in enumerate(lists, start=first)]
+        return list(self._device[self._set, start:end].split(lengths))
