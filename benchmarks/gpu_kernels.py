@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.report import pyplot, save_figure
+from benchmarks.report import git_commit, pyplot, save_figure
 from benchmarks.sync_sites import SyncSites
 from tests.dense_reference import attention_scores, context_keys
 from vllm_specextend.core.options import SpecExtendConfig
@@ -336,7 +334,7 @@ def run(args) -> dict:
         "device": device_name(device),
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python3 -m benchmarks.gpu_kernels " + " ".join(args.argv),
         "layer": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bf16",
                   "block_size": BLOCK_SIZE, "k": K, "query_rows": QUERY_ROWS, "chunk": CHUNK},
@@ -359,16 +357,6 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
-
-
-def _commit() -> str | None:
-    if os.environ.get("SPECEXTEND_COMMIT"):  # a copied tree without .git (a lent GPU machine)
-        return os.environ["SPECEXTEND_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _sync_summary(sites: dict) -> str:

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.report import RESULTS_DIR, pyplot, save_figure
+from benchmarks.report import RESULTS_DIR, git_commit, pyplot, save_figure
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
 from vllm_specextend.core.request_slots import RequestSlots
@@ -350,19 +349,6 @@ def _machine() -> dict:
             "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vllm_specextend",
-                                "benchmarks/host_time.py"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("-dirty" if dirty else "")
-
-
 def report(results: dict) -> str:
     r = results["measurement"]
     args = results["args"]
@@ -449,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": _machine(),
         "command": "python -m benchmarks.host_time " + " ".join(
             sys.argv[1:] if argv is None else argv),
-        "commit": _commit(),
+        "commit": git_commit(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "measurement": measure(args),
         "goodput_breakdown_ms": goodput_breakdown(args),

@@ -4,6 +4,7 @@ configuration in every figure, and figure saving."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
 import time
@@ -40,7 +41,12 @@ def fmt_ratio(value, spec=".2f"):
 
 
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """The checked-out commit, marked when tracked files have changes."""
+    """The checked-out commit, marked when tracked files have changes;
+    ``SPECEXTEND_COMMIT`` where the tree is a copy without ``.git`` (a lent
+    GPU machine)."""
+    if os.environ.get("SPECEXTEND_COMMIT"):
+        return os.environ["SPECEXTEND_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
                               text=True, check=True).stdout.strip()

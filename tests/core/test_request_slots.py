@@ -2,6 +2,8 @@
 freed one taken next, and arrivals and departures told to every feature
 once, whichever updates first."""
 
+import pytest
+
 from vllm_specextend.core.request_slots import RequestSlots
 
 
@@ -59,3 +61,11 @@ def test_departures_come_in_arrival_order():
     slots.update(ids)
     slots.update(ids[3:4])
     assert recorder.events[-1] == ("left", ids[:3] + ids[4:], [0, 1, 2, 4, 5, 6, 7])
+
+
+def test_a_feature_takes_the_shared_slots_only_at_its_capacity():
+    shared = RequestSlots(4)
+    assert RequestSlots.shared_or_new(shared, 4) is shared
+    assert RequestSlots.shared_or_new(None, 4) is not shared
+    with pytest.raises(ValueError, match="request slots for 4 requests, 8 needed"):
+        RequestSlots.shared_or_new(shared, 8)

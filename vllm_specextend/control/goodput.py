@@ -23,20 +23,27 @@ knows, so a decision adds no device sync. Everything here is independent of
 vLLM.
 
 Its parts: ``cost_model``, ``acceptance``, ``draft_lengths`` (the choice),
-``forced_drafts`` (probes, exploration, catch-up prices), ``control_stats``.
+``forced_drafts`` (probes, exploration, catch-up prices), ``control_stats``,
+``parameters`` (its tuning, what the engine reports back).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from vllm_specextend.control.acceptance import PROBE_SMOOTHING, AcceptanceEstimates
+from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
+from vllm_specextend.control.parameters import (
+    MAX_PROBE_BACKOFF,
+    PROBE_INTERVAL,
+    ControlParameters,
+    StepOutcome,
+)
 from vllm_specextend.core.request_slots import RequestSlots
 
 __all__ = [
@@ -44,69 +51,6 @@ __all__ = [
     "ControlParameters", "DraftPlan", "GoodputController", "StepCostModel", "StepOutcome",
     "choose_draft_lengths", "step_features",
 ]
-
-PROBE_INTERVAL = 16
-"""Paused plans before a paused request's first probe."""
-MAX_PROBE_BACKOFF = 8
-"""A failing request is probed at most every 8 x ``probe_interval`` plans."""
-
-
-@dataclass(frozen=True)
-class ControlParameters:
-    """The goodput controller's tuning (the defaults are the engine's)."""
-
-    probe_interval: int = PROBE_INTERVAL
-    """Paused plans before a paused request's first probe."""
-    max_probe_backoff: int = MAX_PROBE_BACKOFF
-    """A request whose probes keep failing is probed at most every
-    ``max_probe_backoff`` x ``probe_interval`` plans (each probe doubles its
-    wait)."""
-    probe_budget: float = 0.02
-    """Share of a paused request's time (its share of the steps it paused
-    in) that its next probe may cost: so probes and explorations cost at most
-    about 2% of the engine's time, whatever a catch-up costs on this
-    machine. Prompts nobody would draft for get the same share of the steps
-    nobody drafts in."""
-    min_probe_catch_up: int = 8
-    """Recent tokens a probe catches up at least (a probe waits until its
-    budget covers them)."""
-    explore_interval: int = 64
-    """Plans between two explorations (plans that depart from the choice so
-    the cost model keeps seeing every number of draft steps)."""
-    hysteresis: float = 0.1
-    """A drafting row keeps a position down to ``1 - hysteresis`` of the
-    threshold, a paused row resumes above ``1 + hysteresis``."""
-    stall_factor: float = 4.0
-    """A step of a known kind this many times its prediction is a stall (an
-    idle engine), not a cost: the cost model skips it."""
-    slow_step_clip: float = 1.5
-    """A slower step of a known kind is learnt as this many times its
-    prediction (winsorised: the model still follows a lasting change, a few
-    percent a step)."""
-    acceptance_smoothing: float = 0.2
-    """EWMA weight of a drafting request's latest verification."""
-    probe_smoothing: float = PROBE_SMOOTHING
-    """EWMA weight of a probe's outcome: after a pause the estimate is stale."""
-    acceptance_prior: float = 0.7
-    """Acceptance of every position before the engine has verified any."""
-    cost_forgetting: float = 0.98
-    """Weight of the step-cost model's past per observed step."""
-    cost_ridge: float = 1e-6
-    """The step-cost model's ridge term (relative to its data)."""
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the engine did with the last plan, beyond the lengths the next
-    plan's batch shows (None: not reported)."""
-
-    draft_forwards: int | None = None
-    """Draft forwards the step ran (0: skipped; one first pass when rows
-    prefill or the drafter cannot skip)."""
-    catch_up_tokens: int = 0
-    """Tokens its first pass caught up (verified while the draft paused)."""
-    deferred_prefill_tokens: int = 0
-    """Prompt tokens it did not run through the draft."""
 
 class GoodputController(ForcedDrafts):
     """Per step, the draft lengths of the next verification for every request
@@ -148,7 +92,7 @@ class GoodputController(ForcedDrafts):
                                               prior=p.acceptance_prior,
                                               probe_smoothing=p.probe_smoothing)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
-        self.requests = RequestSlots(max_requests) if requests is None else requests
+        self.requests = RequestSlots.shared_or_new(requests, max_requests)
         self.requests.subscribe(arrived=self._admit, left=self._finish)
         # Per slot, between steps:
         self._context_len = np.full(max_requests, -1, dtype=np.int64)
@@ -190,7 +134,9 @@ class GoodputController(ForcedDrafts):
     # ---- per step --------------------------------------------------------
 
     def admit(self, req_ids: list[str]) -> np.ndarray:
-        """Each request's slot (new requests take one: :meth:`_admit`)."""
+        """Each request's slot: ``req_ids`` is the step's batch, so requests
+        not in it leave (:meth:`_finish`) and new ones take a slot
+        (:meth:`_admit`)."""
         return self.requests.update(req_ids)
 
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:

@@ -97,10 +97,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self.compact_positions = compact_positions
         self.device = device
         self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
-        if requests is not None and requests.capacity != max_num_reqs:
-            raise ValueError(f"request slots for {requests.capacity} requests, "
-                             f"planner for {max_num_reqs}")
-        super().__init__(RequestSlots(max_num_reqs) if requests is None else requests)
+        super().__init__(RequestSlots.shared_or_new(requests, max_num_reqs))
         self._max_num_reqs = max_num_reqs
         self._sum_over_ranks = sum_over_ranks
         self.tap: TargetAttentionTap | None = None

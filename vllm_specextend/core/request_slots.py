@@ -32,6 +32,17 @@ class RequestSlots:
         self._on_arrival: list[SlotHandler] = []
         self._on_departure: list[SlotHandler] = []
 
+    @classmethod
+    def shared_or_new(cls, shared: RequestSlots | None, capacity: int) -> RequestSlots:
+        """``shared`` (a drafter's, checked to hold ``capacity`` requests),
+        or new slots of one's own."""
+        if shared is None:
+            return cls(capacity)
+        if shared.capacity != capacity:
+            raise ValueError(f"request slots for {shared.capacity} requests, "
+                             f"{capacity} needed")
+        return shared
+
     def subscribe(self, *, arrived: SlotHandler | None = None,
                   left: SlotHandler | None = None) -> None:
         """Have ``arrived`` called with the requests that took slots (before
