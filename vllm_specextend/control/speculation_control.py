@@ -86,6 +86,8 @@ class SpeculationControl:
                 what leaving them costs (``GoodputController``).
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
+
+        (Long for the arguments' and per-slot fields' docs: it only assigns.)
         """
         self.free_pause = free_pause
         self.defer_prompts = defer_prompts and free_pause

@@ -1,7 +1,9 @@
 """Triton kernels of ``core/selection_triton.py`` (see its docstring), as
 plain functions: ``selection_triton._kernels`` jits them on first use, for
 the GPU or for Triton's interpreter (this module is imported then, so its
-helper is jitted after TRITON_INTERPRET is read). One program per row."""
+helper is jitted after TRITON_INTERPRET is read). One program per row.
+Kernel bodies run to 65-76 lines: each is one program's loop over a row,
+with its pointer arithmetic, and reads best in one piece."""
 
 import triton
 import triton.language as tl

@@ -94,7 +94,8 @@ def chunk_attention_sums_triton(
 ) -> torch.Tensor:
     """``chunk_attention_sums`` on the kernel (arguments as there; the last
     two are the workspace's flat float32 buffers). CPU tensors run under
-    Triton's interpreter (tests). Launches only: no host sync."""
+    Triton's interpreter (tests). Launches only: no host sync. (Long as the
+    three launches' shared sizes and grids, which one place keeps in step.)"""
     batch, rows, num_heads, head_dim = queries.shape
     num_kv_heads = key_buffer.shape[1]
     group = num_heads // num_kv_heads
