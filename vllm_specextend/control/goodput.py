@@ -18,8 +18,9 @@ position's verification time at the batch's goodput. Hysteresis keeps rows from
 flapping and paused rows are probed periodically, so a request resumes when
 drafting would pay again.
 
-Pure numpy on the host: the inputs are per-request lengths the host already
-knows, so a decision adds no device sync. Everything here is independent of
+On the host (numpy, and compiled loops for the per-row arithmetic): the
+inputs are per-request lengths the host already knows, so a decision adds no
+device sync. Everything here is independent of
 vLLM.
 
 Its parts: ``cost_model``, ``acceptance``, ``draft_lengths`` (the choice),
@@ -33,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_specextend.control.acceptance import PROBE_SMOOTHING, AcceptanceEstimates
+from vllm_specextend.control.choice_kernel import warm_up_choice
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
@@ -136,6 +138,7 @@ class GoodputController(ForcedDrafts):
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
         self.parameters = parameters
+        warm_up_choice()  # compiled (or loaded) now, not at the first step
         p = parameters
         self.cost = StepCostModel(num_speculative_tokens, forgetting=p.cost_forgetting,
                                   ridge=p.cost_ridge,
