@@ -90,11 +90,13 @@ def _block_sum(values, start, n):
 
 
 @njit(cache=True)
-def _goodput(survival, positions, lengths, fixed, per_token, scale, weighted, resume, resumes,
-             uniform_length, piecewise_cost, position_buffer, row_buffer):
+def _goodput(batch, positions, lengths, fixed, weighted):
     """Expected tokens per second of one plan (``lengths``) of ``fixed``
     seconds besides its tokens, over ``positions`` draft positions;
-    ``weighted``: accepted drafts divided by the rows' ``scale``."""
+    ``weighted``: accepted drafts divided by the rows' hysteresis scale.
+    ``batch``: :func:`_batch`'s."""
+    (survival, _, accepted_table, scale, resume, resumes, per_token, uniform_length,
+     piecewise_cost, position_buffer, row_buffer) = batch
     rows = lengths.shape[0]
     total = 0
     for row in range(rows):
@@ -115,9 +117,7 @@ def _goodput(survival, positions, lengths, fixed, per_token, scale, weighted, re
     for row in range(rows):
         length = lengths[row]
         if positions < PAIRWISE_FROM:
-            accepted = 0.0
-            for position in range(length):
-                accepted = accepted + survival[row, position]
+            accepted = accepted_table[row, length]
         else:
             for position in range(positions):
                 position_buffer[position] = survival[row, position] * (
@@ -129,14 +129,32 @@ def _goodput(survival, positions, lengths, fixed, per_token, scale, weighted, re
 
 
 @njit(cache=True)
-def _solve(survival, positions, steps, fixed, per_token, scale, resume, resumes, must,
-           has_must, uniform_length, piecewise_cost, lengths, position_buffer, row_buffer):
+def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost):
+    """What every plan's price reads: ``survival`` weighted by ``scale``,
+    the expected accepted drafts of a row drafting ``L`` (the sum of its
+    first ``L`` survival probabilities, left to right), and scratch."""
+    rows, max_k = survival.shape
+    weighted = np.empty((rows, max_k))
+    accepted_table = np.zeros((rows, max_k + 1))
+    for row in range(rows):
+        for position in range(max_k):
+            weighted[row, position] = survival[row, position] / scale[row]
+            accepted_table[row, position + 1] = (accepted_table[row, position]
+                                                 + survival[row, position])
+    return (survival, weighted, accepted_table, scale, resume, resumes, per_token,
+            uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows))
+
+
+@njit(cache=True)
+def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     """Dinkelbach on the hysteresis-weighted goodput for ``steps`` draft
     steps: fills ``lengths``, returns the objective. A position is kept
     when it is worth more than its verification time at the current
     goodput (and every position before it is), a row drafts when its kept
     positions are worth more than its resumption."""
-    rows = survival.shape[0]
+    weighted, resume, resumes, per_token, position_buffer = (
+        batch[1], batch[4], batch[5], batch[6], batch[9])
+    rows = weighted.shape[0]
     objective = rows / fixed if fixed > 0 else 0.0
     for _ in range(4):  # converges in a few rounds
         current = objective
@@ -146,7 +164,7 @@ def _solve(survival, positions, steps, fixed, per_token, scale, resume, resumes,
             worth = 0.0
             kept = True
             for position in range(positions):
-                margin = survival[row, position] / scale[row] - threshold
+                margin = weighted[row, position] - threshold
                 kept = kept and margin > 0 and position < steps
                 product = margin * (1.0 if kept else 0.0)
                 if positions >= PAIRWISE_FROM:
@@ -163,8 +181,7 @@ def _solve(survival, positions, steps, fixed, per_token, scale, resume, resumes,
             if has_must and must[row] and chosen < 1:
                 chosen = 1
             lengths[row] = chosen
-        new = _goodput(survival, positions, lengths, fixed, per_token, scale, True, resume,
-                       resumes, uniform_length, piecewise_cost, position_buffer, row_buffer)
+        new = _goodput(batch, positions, lengths, fixed, True)
         if abs(new - current) <= 1e-9 * max(new, 1.0):
             return current
         objective = new
@@ -201,29 +218,24 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
     scale = np.empty(rows)
     for row in range(rows):
         scale[row] = (1.0 - hysteresis) if drafting[row] else (1.0 + hysteresis)
+    batch = _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost)
     lengths = np.zeros(rows, np.int64)
     candidate = np.zeros(rows, np.int64)
     best = np.zeros(rows, np.int64)
-    position_buffer = np.empty(max_k)
-    row_buffer = np.empty(rows)
     best_value, best_steps = 0.0, -1
     for steps in range(max_k + 1):
         if (has_must and steps == 0) or (draft_steps.size and not draft_steps[steps]):
             continue
         # numpy summed each D on its own positions from 8 positions on.
         positions = max_k if max_k < PAIRWISE_FROM else steps
-        args = (fixed[steps], per_token, scale, True, resume, resumes, uniform_length,
-                piecewise_cost, position_buffer, row_buffer)
         if uniform_length == steps and rows:
             # Every row drafting K keeps the step in the FULL graphs.
             candidate[:] = steps
-            value = _goodput(survival, positions, candidate, *args)
+            value = _goodput(batch, positions, candidate, fixed[steps], True)
             if best_steps < 0 or value > best_value:
                 best[:] = candidate
                 best_value, best_steps = value, steps
-        value = _solve(survival, positions, steps, fixed[steps], per_token, scale, resume,
-                       resumes, must, has_must, uniform_length, piecewise_cost, lengths,
-                       position_buffer, row_buffer)
+        value = _solve(batch, positions, steps, fixed[steps], must, has_must, lengths)
         chosen = lengths
         if steps and (rows == 0 or lengths.max() < steps):
             # D draft steps are only what they cost if a row drafts D: the
@@ -235,7 +247,7 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
                 continue
             candidate[:] = lengths
             candidate[row] = steps
-            value = _goodput(survival, positions, candidate, *args)
+            value = _goodput(batch, positions, candidate, fixed[steps], True)
             chosen = candidate
         if best_steps < 0 or value > best_value:
             best[:] = chosen
@@ -243,10 +255,7 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
     if best_steps < 0:
         return best, best_steps, 0.0
     positions = max_k if max_k < PAIRWISE_FROM else best_steps
-    goodput = _goodput(survival, positions, best, fixed[best_steps], per_token, scale, False,
-                       resume, resumes, uniform_length, piecewise_cost, position_buffer,
-                       row_buffer)
-    return best, best_steps, goodput
+    return best, best_steps, _goodput(batch, positions, best, fixed[best_steps], False)
 
 
 def warm_up_choice() -> None:
