@@ -380,18 +380,9 @@ class GoodputController(ForcedDrafts):
     def _observe_acceptance(self, slots, context_lens, query_lens, decoding) -> None:
         """The previous step verified ``verified_drafts`` drafts of each
         request; the context gained since is the accepted ones + 1."""
-        last_context = self._context_len[slots]
-        drafted = self._verified_drafts[slots]
-        verified = (drafted > 0) & (last_context >= 0) & (context_lens > last_context)
-        if verified.any():
-            rows = np.flatnonzero(verified)
-            drafted = drafted[rows]
-            accepted = np.clip(context_lens[rows] - last_context[rows] - 1, 0, drafted)
-            self.acceptance.observe(slots[rows], drafted, accepted,
-                                    self._verified_probe[slots[rows]])
-        self._context_len[slots] = context_lens
-        self._verified_drafts[slots] = np.where(decoding, query_lens - 1, 0)
-        self._verified_probe[slots] = self._probed[slots]
+        self.acceptance.observe_step(slots, context_lens, query_lens, decoding,
+                                     self._context_len, self._verified_drafts,
+                                     self._verified_probe, self._probed)
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:
