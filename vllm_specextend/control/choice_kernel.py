@@ -96,7 +96,7 @@ def _goodput(batch, positions, lengths, fixed, weighted):
     ``weighted``: accepted drafts divided by the rows' hysteresis scale.
     ``batch``: :func:`_batch`'s."""
     (survival, _, accepted_table, scale, resume, resumes, per_token, uniform_length,
-     piecewise_cost, position_buffer, row_buffer) = batch
+     piecewise_cost, position_buffer, row_buffer, weighted_table) = batch
     rows = lengths.shape[0]
     total = 0
     for row in range(rows):
@@ -117,13 +117,14 @@ def _goodput(batch, positions, lengths, fixed, weighted):
     for row in range(rows):
         length = lengths[row]
         if positions < PAIRWISE_FROM:
-            accepted = accepted_table[row, length]
+            # (Its sum left to right, over the scale as numpy divided it.)
+            row_buffer[row] = (weighted_table if weighted else accepted_table)[row, length]
         else:
             for position in range(positions):
                 position_buffer[position] = survival[row, position] * (
                     1.0 if position < length else 0.0)
             accepted = pairwise_sum(position_buffer, positions)
-        row_buffer[row] = accepted / scale[row] if weighted else accepted
+            row_buffer[row] = accepted / scale[row] if weighted else accepted
     gained = rows + pairwise_sum(row_buffer, rows)
     return gained / seconds if seconds > 0 else 0.0
 
@@ -132,7 +133,8 @@ def _goodput(batch, positions, lengths, fixed, weighted):
 def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost):
     """What every plan's price reads: ``survival`` weighted by ``scale``,
     the expected accepted drafts of a row drafting ``L`` (the sum of its
-    first ``L`` survival probabilities, left to right), and scratch."""
+    first ``L`` survival probabilities, left to right) with and without
+    the scale, and scratch."""
     rows, max_k = survival.shape
     weighted = np.empty((rows, max_k))
     accepted_table = np.zeros((rows, max_k + 1))
@@ -141,8 +143,12 @@ def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewis
             weighted[row, position] = survival[row, position] / scale[row]
             accepted_table[row, position + 1] = (accepted_table[row, position]
                                                  + survival[row, position])
+    weighted_table = np.empty((rows, max_k + 1))
+    for row in range(rows):
+        for length in range(max_k + 1):
+            weighted_table[row, length] = accepted_table[row, length] / scale[row]
     return (survival, weighted, accepted_table, scale, resume, resumes, per_token,
-            uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows))
+            uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows), weighted_table)
 
 
 @njit(cache=True)
