@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_specextend.control.kernel_args import flags, ints
+
 PROBE_SMOOTHING = 0.5
 """EWMA weight of a probe's outcome (a drafting request's outcomes weigh
 ``AcceptanceEstimates.smoothing``)."""
@@ -39,8 +41,8 @@ class AcceptanceEstimates:
         ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``.
         A probe (``probed[r]``) weighs ``probe_smoothing``: after a pause the
         request's estimate is stale."""
-        _observe_outcomes(self.rates, self.engine_rates, _ints(slots), _ints(drafted),
-                          _ints(accepted), _NO_FLAGS if probed is None else _flags(probed),
+        _observe_outcomes(self.rates, self.engine_rates, ints(slots), ints(drafted),
+                          ints(accepted), _NO_FLAGS if probed is None else flags(probed),
                           float(self.smoothing), float(self.probe_smoothing))
 
     def observe_step(self, slots: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
@@ -52,23 +54,15 @@ class AcceptanceEstimates:
         (``verified_probe``: they were a probe). Then the step's own:
         ``context_lens``, the drafts its query verifies (``decoding`` rows'
         ``query_lens - 1``) and whether they were a probe (``probed``)."""
-        _observe_verified(self.rates, self.engine_rates, _ints(slots), _ints(context_lens),
-                          _ints(query_lens), _flags(decoding), last_context, verified_drafts,
+        _observe_verified(self.rates, self.engine_rates, ints(slots), ints(context_lens),
+                          ints(query_lens), flags(decoding), last_context, verified_drafts,
                           verified_probe, probed, float(self.smoothing),
                           float(self.probe_smoothing))
 
     def survival(self, slots: np.ndarray) -> np.ndarray:
         """``[rows, K]``: probability that draft position ``i`` is accepted
         (a view of scratch, valid until the next call)."""
-        return _survival(self.rates, _ints(slots), self._survival)
-
-
-def _ints(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.int64)
-
-
-def _flags(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=bool)
+        return _survival(self.rates, ints(slots), self._survival)
 
 
 @njit(cache=True)

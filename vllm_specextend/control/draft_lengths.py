@@ -16,6 +16,7 @@ import numpy as np
 
 from vllm_specextend.control.choice_kernel import choose_lengths
 from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, StepCostModel
+from vllm_specextend.control.kernel_args import flags, floats
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,11 @@ def choose_draft_lengths(
                else -1)
     resumes = resume_seconds is not None and bool(resume_seconds.any())
     lengths, steps, goodput = choose_lengths(
-        np.ascontiguousarray(survival, dtype=np.float64), _flags(drafting), float(hysteresis),
+        floats(survival), flags(drafting), float(hysteresis),
         _fixed_seconds(cost, num_requests + other_tokens, max_k, free_pause, graphs),
-        _NO_FLAGS if draft_steps is None else _flags(draft_steps), np.float64(cost.weights[1]),
-        np.ascontiguousarray(resume_seconds, dtype=np.float64) if resumes else _NO_SECONDS,
-        resumes, _flags(must_draft) if must else _NO_FLAGS, must, int(uniform),
+        _NO_FLAGS if draft_steps is None else flags(draft_steps), np.float64(cost.weights[1]),
+        floats(resume_seconds) if resumes else _NO_SECONDS,
+        resumes, flags(must_draft) if must else _NO_FLAGS, must, int(uniform),
         float(cost.piecewise_cost))
     assert steps >= 0, "no number of draft steps to choose from"
     return DraftPlan(lengths, steps, goodput)
@@ -102,10 +103,6 @@ def choose_draft_lengths(
 
 _NO_FLAGS = np.zeros(0, dtype=bool)
 _NO_SECONDS = np.zeros(0)
-
-
-def _flags(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=bool)
 
 
 def _fixed_seconds(cost: StepCostModel, base_tokens: int, max_k: int, free_pause: bool,
