@@ -17,7 +17,7 @@ torch path issues hundreds of ops; ``benchmarks/gpu_kernels.py`` measures
 scoring), and the Python parts are timed around the methods that do them
 (the thread's CPU time, ``time.thread_time``, so time spent descheduled on a
 shared machine is not counted), less the device ops a leaving request runs. Goodput
-control is numpy only. The planner's tensor ops per step are counted (each is
+control is numpy and numba-compiled loops. The planner's tensor ops per step are counted (each is
 one kernel launch on CUDA). The requests decode with K drafts, accept at a
 per-request rate, and are replaced by new ones (a prompt chunk, then
 decoding) as they finish.
@@ -363,7 +363,7 @@ def report(results: dict) -> str:
         f"{args['steps']} steps after {args['warmup']} of warm-up. Device work excluded: the "
         "planner runs on the meta device with scoring stubbed, and each part is timed around "
         "the method that does it (exclusive of the device ops it calls), in the thread's CPU "
-        "time; goodput control is numpy only. Load average (1 min) at the start: "
+        "time; goodput control is numpy and numba-compiled loops. Load average (1 min) at the start: "
         f"{results['machine']['load_average_1m']:.1f} on {results['machine']['cpu_count']} "
         "CPUs (a shared machine: medians are the figures to read).",
         "",

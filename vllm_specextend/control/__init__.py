@@ -8,7 +8,8 @@ forward runs at all, and what a skipped forward leaves to catch up.
   (pure numpy / torch);
 - ``paused_hidden_states.py``: an EAGLE head's kept target hidden states;
 - ``goodput.py``: the controller (step-cost model, acceptance estimates, the
-  choice of each request's number of drafts, probing; pure numpy);
+  choice of each request's number of drafts, probing; numpy, with the per-row
+  loops compiled by numba: ``choice_kernel.py``, ``plan_kernels.py``);
 - ``speculation_control.py``: the engine's controller with each request's
   draft-KV frontier (what a resumed request must catch up).
 """

@@ -1,14 +1,20 @@
 """Per-request acceptance estimates: an EWMA of each draft position's
-acceptance, from the verifications seen so far. Pure numpy on the host."""
+acceptance, from the verifications seen so far. On the host, in loops
+compiled with numba (see ``choice_kernel.py``): a step's update is a few
+operations per verified row."""
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
+from vllm_specextend.control.kernel_args import flags, ints
 
 PROBE_SMOOTHING = 0.5
 """EWMA weight of a probe's outcome (a drafting request's outcomes weigh
 ``AcceptanceEstimates.smoothing``)."""
+
+_NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 class AcceptanceEstimates:
@@ -21,6 +27,9 @@ class AcceptanceEstimates:
         self.probe_smoothing = probe_smoothing
         self.engine_rates = np.full(num_positions, prior)
         self.rates = np.full((max_requests, num_positions), prior)
+        self._survival = np.empty((max_requests, num_positions))
+        """Scratch for :meth:`survival` (rows first)."""
+        warm_up_acceptance()
 
     def start(self, slot: int) -> None:
         self.rates[slot] = self.engine_rates
@@ -32,22 +41,99 @@ class AcceptanceEstimates:
         ``i`` (0-based) was tried iff ``i <= accepted`` and ``i < drafted``.
         A probe (``probed[r]``) weighs ``probe_smoothing``: after a pause the
         request's estimate is stale."""
-        positions = np.arange(self.rates.shape[1])
-        tried = (positions[None, :] <= accepted[:, None]) & (positions[None, :] < drafted[:, None])
-        hit = (positions[None, :] < accepted[:, None]).astype(np.float64)
-        beta = self.smoothing
-        if probed is not None:
-            beta = np.where(probed, max(self.probe_smoothing, beta), beta)[:, None]
-        rates = self.rates[slots]
-        self.rates[slots] = np.where(tried, (1 - beta) * rates + beta * hit, rates)
-        tried_any = tried.any(axis=0)
-        if tried_any.any():
-            mean_hit = hit.sum(axis=0) / np.maximum(tried.sum(axis=0), 1)
-            engine = self.engine_rates
-            self.engine_rates = np.where(
-                tried_any, (1 - self.smoothing) * engine + self.smoothing * mean_hit, engine
-            )
+        _observe_outcomes(self.rates, self.engine_rates, ints(slots), ints(drafted),
+                          ints(accepted), _NO_FLAGS if probed is None else flags(probed),
+                          float(self.smoothing), float(self.probe_smoothing))
+
+    def observe_step(self, slots: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                     decoding: np.ndarray, last_context: np.ndarray, verified_drafts: np.ndarray,
+                     verified_probe: np.ndarray, probed: np.ndarray) -> None:
+        """:meth:`observe` for a step of the controller's batch: per slot,
+        ``verified_drafts`` drafts were verified at ``last_context`` (-1:
+        none seen), the context gained since is the accepted ones + 1
+        (``verified_probe``: they were a probe). Then the step's own:
+        ``context_lens``, the drafts its query verifies (``decoding`` rows'
+        ``query_lens - 1``) and whether they were a probe (``probed``)."""
+        _observe_verified(self.rates, self.engine_rates, ints(slots), ints(context_lens),
+                          ints(query_lens), flags(decoding), last_context, verified_drafts,
+                          verified_probe, probed, float(self.smoothing),
+                          float(self.probe_smoothing))
 
     def survival(self, slots: np.ndarray) -> np.ndarray:
-        """``[rows, K]``: probability that draft position ``i`` is accepted."""
-        return np.cumprod(self.rates[slots], axis=1)
+        """``[rows, K]``: probability that draft position ``i`` is accepted
+        (a view of scratch, valid until the next call)."""
+        return _survival(self.rates, ints(slots), self._survival)
+
+
+@njit(cache=True)
+def _observe_row(rates, slot, drafted, accepted, beta, tried, hits):
+    """One verification's EWMA update; counts its tried and accepted positions."""
+    for position in range(min(accepted + 1, drafted, rates.shape[1])):
+        hit = 1.0 if position < accepted else 0.0
+        rates[slot, position] = (1 - beta) * rates[slot, position] + beta * hit
+        tried[position] += 1
+        hits[position] += hit
+
+
+@njit(cache=True)
+def _observe_engine(engine_rates, tried, hits, smoothing):
+    """The engine-wide estimate follows the mean outcome of each position tried."""
+    for position in range(engine_rates.shape[0]):
+        if tried[position]:
+            engine_rates[position] = ((1 - smoothing) * engine_rates[position]
+                                      + smoothing * (hits[position] / tried[position]))
+
+
+@njit(cache=True)
+def _observe_outcomes(rates, engine_rates, slots, drafted, accepted, probed, smoothing,
+                      probe_smoothing):
+    tried = np.zeros(rates.shape[1], np.int64)
+    hits = np.zeros(rates.shape[1])
+    probe_beta = max(probe_smoothing, smoothing)
+    for row in range(slots.shape[0]):
+        beta = probe_beta if (probed.size > 0 and probed[row]) else smoothing
+        _observe_row(rates, slots[row], drafted[row], accepted[row], beta, tried, hits)
+    _observe_engine(engine_rates, tried, hits, smoothing)
+
+
+@njit(cache=True)
+def _observe_verified(rates, engine_rates, slots, context_lens, query_lens, decoding,
+                      last_context, verified_drafts, verified_probe, probed, smoothing,
+                      probe_smoothing):
+    tried = np.zeros(rates.shape[1], np.int64)
+    hits = np.zeros(rates.shape[1])
+    probe_beta = max(probe_smoothing, smoothing)
+    for row in range(slots.shape[0]):
+        slot = slots[row]
+        last, drafted, context = last_context[slot], verified_drafts[slot], context_lens[row]
+        if drafted > 0 and last >= 0 and context > last:
+            accepted = min(max(context - last - 1, 0), drafted)
+            beta = probe_beta if verified_probe[slot] else smoothing
+            _observe_row(rates, slot, drafted, accepted, beta, tried, hits)
+        last_context[slot] = context
+        verified_drafts[slot] = query_lens[row] - 1 if decoding[row] else 0
+        verified_probe[slot] = probed[slot]
+    _observe_engine(engine_rates, tried, hits, smoothing)
+
+
+@njit(cache=True)
+def _survival(rates, slots, out):
+    """``np.cumprod(rates[slots], axis=1)``, into ``out``'s first rows."""
+    for row in range(slots.shape[0]):
+        product = 1.0
+        for position in range(rates.shape[1]):
+            product = rates[slots[row], position] if position == 0 else (
+                product * rates[slots[row], position])
+            out[row, position] = product
+    return out[:slots.shape[0]]
+
+
+def warm_up_acceptance() -> None:
+    """Compile (or load) the updates for the argument types used, so that
+    no step waits for them."""
+    estimates = np.full((1, 1), 0.5), np.full(1, 0.5)
+    ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
+    _observe_outcomes(*estimates, ints, ints, ints, flags, 0.2, 0.5)
+    _observe_verified(*estimates, ints, ints, ints, flags, ints.copy(), ints.copy(),
+                      flags.copy(), flags, 0.2, 0.5)
+    _survival(estimates[0], ints, np.empty((1, 1)))

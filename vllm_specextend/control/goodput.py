@@ -18,9 +18,9 @@ position's verification time at the batch's goodput. Hysteresis keeps rows from
 flapping and paused rows are probed periodically, so a request resumes when
 drafting would pay again.
 
-Pure numpy on the host: the inputs are per-request lengths the host already
-knows, so a decision adds no device sync. Everything here is independent of
-vLLM.
+On the host (numpy, and loops compiled with numba for the per-row
+arithmetic): the inputs are per-request lengths the host already knows, so a
+decision adds no device sync. Everything here is independent of vLLM.
 
 Its parts: ``cost_model``, ``acceptance``, ``draft_lengths`` (the choice),
 ``forced_drafts`` (probes, exploration, catch-up prices), ``control_stats``,
@@ -34,16 +34,19 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_specextend.control.acceptance import AcceptanceEstimates
+from vllm_specextend.control.choice_kernel import warm_up_choice
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
+from vllm_specextend.control.kernel_args import flags, ints
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
     ControlParameters,
     StepOutcome,
 )
+from vllm_specextend.control.plan_kernels import note_plan, warm_up_plan_kernels
 from vllm_specextend.core.request_slots import RequestSlots
 
 __all__ = [
@@ -83,6 +86,8 @@ class GoodputController(ForcedDrafts):
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
         self.parameters = parameters
+        warm_up_choice()  # compiled (or loaded) now, not at the first step
+        warm_up_plan_kernels()
         p = parameters
         self.cost = StepCostModel(num_speculative_tokens, forgetting=p.cost_forgetting,
                                   ridge=p.cost_ridge,
@@ -240,37 +245,20 @@ class GoodputController(ForcedDrafts):
 
     def _note_plan(self, slots, lengths, probing, decoding, chosen, paused_steps,
                    probe_after) -> None:
-        """Each request's state after this plan, and the engine's counts."""
+        """Each request's state after this plan, and the engine's counts
+        (:func:`~vllm_specextend.control.plan_kernels.note_plan`)."""
         p = self.parameters
-        drafts = lengths > 0
-        self._drafted[slots] = lengths
-        # Drafts not chosen on estimates (probes, warm-up, exploration)
-        # weigh as probes: they may follow a pause.
-        self._probed[slots] = drafts & (probing | (chosen == 0))
-        self._paused_steps[slots] = np.where(drafts, 0, paused_steps + 1)
-        self._drafted_steps[slots] += decoding & drafts
-        self._paused_decode_steps[slots] += decoding & ~drafts
-        # A request whose probes keep failing is probed less often, and so
-        # are the requests that arrive after it; one drafting on its
-        # estimates (not warm-up or exploration) is probed at the interval.
-        probed = probing & drafts
-        merit = ~probed & (chosen != 0)
-        backed_off = np.minimum(2 * np.where(probe_after != 0, probe_after, p.probe_interval),
-                                p.max_probe_backoff * p.probe_interval)
-        self._probe_after[slots] = np.where(probed, backed_off,
-                                            np.where(merit, 0, probe_after))
-        changed = np.flatnonzero(probed | merit)
-        if changed.size:
-            last = changed[-1]
-            self._arrival_probe_after = int(backed_off[last]) if probed[last] else 0
-        self.stats.probes += int(probed.sum())
-        decoding_lengths = lengths[decoding]
-        self.stats.chosen_lengths += np.bincount(
-            decoding_lengths, minlength=self.num_speculative_tokens + 1
-        )
-        drafted = int(np.count_nonzero(decoding_lengths))
+        probes, arrival, changed, drafted, paused = note_plan(
+            slots, ints(lengths), flags(probing), flags(decoding), ints(chosen),
+            paused_steps, probe_after, self._drafted, self._probed, self._paused_steps,
+            self._probe_after, self._drafted_steps, self._paused_decode_steps,
+            self.stats.chosen_lengths, p.probe_interval, p.max_probe_backoff)
+        if changed:
+            # Requests arriving after a failed probe wait as long.
+            self._arrival_probe_after = arrival
+        self.stats.probes += probes
         self.stats.drafted_request_steps += drafted
-        self.stats.paused_request_steps += decoding_lengths.size - drafted
+        self.stats.paused_request_steps += paused
 
     def finish(self, req_ids: list[str]) -> None:
         """Requests that left the batch (finished or aborted): their slots
@@ -328,18 +316,9 @@ class GoodputController(ForcedDrafts):
     def _observe_acceptance(self, slots, context_lens, query_lens, decoding) -> None:
         """The previous step verified ``verified_drafts`` drafts of each
         request; the context gained since is the accepted ones + 1."""
-        last_context = self._context_len[slots]
-        drafted = self._verified_drafts[slots]
-        verified = (drafted > 0) & (last_context >= 0) & (context_lens > last_context)
-        if verified.any():
-            rows = np.flatnonzero(verified)
-            drafted = drafted[rows]
-            accepted = np.clip(context_lens[rows] - last_context[rows] - 1, 0, drafted)
-            self.acceptance.observe(slots[rows], drafted, accepted,
-                                    self._verified_probe[slots[rows]])
-        self._context_len[slots] = context_lens
-        self._verified_drafts[slots] = np.where(decoding, query_lens - 1, 0)
-        self._verified_probe[slots] = self._probed[slots]
+        self.acceptance.observe_step(slots, context_lens, query_lens, decoding,
+                                     self._context_len, self._verified_drafts,
+                                     self._verified_probe, self._probed)
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:

@@ -1,0 +1,272 @@
+"""The K choice's arithmetic, compiled: Dinkelbach's iteration for every
+number of draft steps ``D`` and the pick of the best plan, in plain loops.
+
+Compiled with numba (a dependency of vLLM, whose n-gram proposer,
+``vllm/v1/spec_decode/ngram_proposer.py``, runs its per-request batch loop
+on the host the same way): per step the choice is hundreds of tiny array
+operations on ``[rows]`` arrays, whose per-call overhead numpy cannot hide.
+
+Every sum is the one numpy made before (the choice is bit for bit the same):
+a few positions left to right, and from 8 contiguous numbers on numpy's
+pairwise summation (:func:`pairwise_sum`). No fastmath, so nothing is
+reordered. Compiled once per process (``cache=True`` keeps the machine code
+on disk), at the controller's construction (:func:`warm_up_choice`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+PAIRWISE_FROM = 8
+"""numpy sums this many contiguous numbers or more pairwise."""
+_PAIRWISE_BLOCK = 128
+
+
+@njit(cache=True)
+def pairwise_sum(values, n):
+    """``values[:n].sum()`` as numpy computes it: an initial 0.0 plus the
+    pairwise sum (halves, down to blocks of at most 128 summed by eight
+    partial sums), without recursion (numba's cache cannot load recursive
+    functions)."""
+    if n <= _PAIRWISE_BLOCK:
+        return 0.0 + _block_sum(values, 0, n)
+    # The halves' tree, depth first: per level its start, size, half and
+    # the left half's sum once known.
+    starts, sizes, halves = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
+    lefts = np.empty(64)
+    left_done = np.zeros(64, np.bool_)
+    depth = 0
+    starts[0], sizes[0] = 0, n
+    while True:
+        size = sizes[depth]
+        if size > _PAIRWISE_BLOCK:
+            half = size // 2
+            half -= half % 8
+            halves[depth], left_done[depth] = half, False
+            starts[depth + 1], sizes[depth + 1] = starts[depth], half
+            depth += 1
+            continue
+        total = _block_sum(values, starts[depth], size)
+        depth -= 1
+        while depth >= 0 and left_done[depth]:
+            total = lefts[depth] + total
+            depth -= 1
+        if depth < 0:
+            return 0.0 + total
+        lefts[depth], left_done[depth] = total, True
+        starts[depth + 1] = starts[depth] + halves[depth]
+        sizes[depth + 1] = sizes[depth] - halves[depth]
+        depth += 1
+
+
+@njit(cache=True)
+def _block_sum(values, start, n):
+    """numpy's pairwise sum of at most 128 numbers."""
+    if n < 8:
+        total = 0.0
+        for i in range(start, start + n):
+            total += values[i]
+        return total
+    r0, r1, r2, r3 = values[start], values[start + 1], values[start + 2], values[start + 3]
+    r4, r5, r6, r7 = values[start + 4], values[start + 5], values[start + 6], values[start + 7]
+    i = 8
+    while i < n - n % 8:
+        j = start + i
+        r0 += values[j]
+        r1 += values[j + 1]
+        r2 += values[j + 2]
+        r3 += values[j + 3]
+        r4 += values[j + 4]
+        r5 += values[j + 5]
+        r6 += values[j + 6]
+        r7 += values[j + 7]
+        i += 8
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        total += values[start + i]
+        i += 1
+    return total
+
+
+@njit(cache=True)
+def _goodput(batch, positions, lengths, fixed, weighted):
+    """Expected tokens per second of one plan (``lengths``) of ``fixed``
+    seconds besides its tokens, over ``positions`` draft positions;
+    ``weighted``: accepted drafts divided by the rows' hysteresis scale.
+    ``batch``: :func:`_batch`'s."""
+    (survival, _, accepted_table, scale, resume, resumes, per_token, uniform_length,
+     piecewise_cost, position_buffer, row_buffer, weighted_table) = batch
+    rows = lengths.shape[0]
+    total = 0
+    for row in range(rows):
+        total += lengths[row]
+    seconds = fixed + per_token * total
+    if resumes:
+        count = 0
+        for row in range(rows):
+            if lengths[row] > 0:
+                row_buffer[count] = resume[row]
+                count += 1
+        seconds = seconds + pairwise_sum(row_buffer, count)
+    if uniform_length >= 0:
+        uniform = True
+        for row in range(rows):
+            uniform &= lengths[row] == uniform_length
+        seconds = seconds - (piecewise_cost if uniform else 0.0)
+    for row in range(rows):
+        length = lengths[row]
+        if positions < PAIRWISE_FROM:
+            # (Its sum left to right, over the scale as numpy divided it.)
+            row_buffer[row] = (weighted_table if weighted else accepted_table)[row, length]
+        else:
+            for position in range(positions):
+                position_buffer[position] = survival[row, position] * (
+                    1.0 if position < length else 0.0)
+            accepted = pairwise_sum(position_buffer, positions)
+            row_buffer[row] = accepted / scale[row] if weighted else accepted
+    gained = rows + pairwise_sum(row_buffer, rows)
+    return gained / seconds if seconds > 0 else 0.0
+
+
+@njit(cache=True)
+def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost):
+    """What every plan's price reads: ``survival`` weighted by ``scale``,
+    the expected accepted drafts of a row drafting ``L`` (the sum of its
+    first ``L`` survival probabilities, left to right) with and without
+    the scale, and scratch."""
+    rows, max_k = survival.shape
+    weighted = np.empty((rows, max_k))
+    accepted_table = np.zeros((rows, max_k + 1))
+    for row in range(rows):
+        for position in range(max_k):
+            weighted[row, position] = survival[row, position] / scale[row]
+            accepted_table[row, position + 1] = (accepted_table[row, position]
+                                                 + survival[row, position])
+    weighted_table = np.empty((rows, max_k + 1))
+    for row in range(rows):
+        for length in range(max_k + 1):
+            weighted_table[row, length] = accepted_table[row, length] / scale[row]
+    return (survival, weighted, accepted_table, scale, resume, resumes, per_token,
+            uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows), weighted_table)
+
+
+@njit(cache=True)
+def _solve(batch, positions, steps, fixed, must, has_must, lengths):
+    """Dinkelbach on the hysteresis-weighted goodput for ``steps`` draft
+    steps: fills ``lengths``, returns the objective. A position is kept
+    when it is worth more than its verification time at the current
+    goodput (and every position before it is), a row drafts when its kept
+    positions are worth more than its resumption."""
+    weighted, resume, resumes, per_token, position_buffer = (
+        batch[1], batch[4], batch[5], batch[6], batch[9])
+    rows = weighted.shape[0]
+    objective = rows / fixed if fixed > 0 else 0.0
+    for _ in range(4):  # converges in a few rounds
+        current = objective
+        threshold = current * per_token
+        for row in range(rows):
+            chosen = 0
+            worth = 0.0
+            kept = True
+            for position in range(positions):
+                margin = weighted[row, position] - threshold
+                kept = kept and margin > 0 and position < steps
+                product = margin * (1.0 if kept else 0.0)
+                if positions >= PAIRWISE_FROM:
+                    position_buffer[position] = product
+                elif position == 0:
+                    worth = product
+                else:
+                    worth = worth + product
+                chosen += kept
+            if positions >= PAIRWISE_FROM:
+                worth = pairwise_sum(position_buffer, positions)
+            if not worth > (current * resume[row] if resumes else 0.0):
+                chosen = 0
+            if has_must and must[row] and chosen < 1:
+                chosen = 1
+            lengths[row] = chosen
+        new = _goodput(batch, positions, lengths, fixed, True)
+        if abs(new - current) <= 1e-9 * max(new, 1.0):
+            return current
+        objective = new
+    return objective
+
+
+@njit(cache=True)
+def _likeliest(survival, column):
+    """``np.argmax(survival[:, column])``: the first maximum (or NaN)."""
+    best = 0
+    top = survival[0, column]
+    if top != top:
+        return 0
+    for row in range(1, survival.shape[0]):
+        value = survival[row, column]
+        if value != value:
+            return row
+        if value > top:
+            best, top = row, value
+    return best
+
+
+@njit(cache=True)
+def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token, resume,
+                   resumes, must, has_must, uniform_length, piecewise_cost):
+    """``(draft lengths, draft steps, expected goodput)`` of the best plan
+    over every number of draft steps ``D`` allowed (``draft_steps``; empty:
+    all; none but 0 with ``has_must``: draft steps -1). ``fixed[D]``: the
+    step's seconds before its tokens; ``uniform_length`` (-1: none): the
+    drafts per row that keep the step in the FULL graphs. (Long as the
+    whole pick in one pass: solve each ``D``, weigh its plans, keep the
+    best.)"""
+    rows, max_k = survival.shape
+    scale = np.empty(rows)
+    for row in range(rows):
+        scale[row] = (1.0 - hysteresis) if drafting[row] else (1.0 + hysteresis)
+    batch = _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost)
+    lengths = np.zeros(rows, np.int64)
+    candidate = np.zeros(rows, np.int64)
+    best = np.zeros(rows, np.int64)
+    best_value, best_steps = 0.0, -1
+    for steps in range(max_k + 1):
+        if (has_must and steps == 0) or (draft_steps.size and not draft_steps[steps]):
+            continue
+        # numpy summed each D on its own positions from 8 positions on.
+        positions = max_k if max_k < PAIRWISE_FROM else steps
+        if uniform_length == steps and rows:
+            # Every row drafting K keeps the step in the FULL graphs.
+            candidate[:] = steps
+            value = _goodput(batch, positions, candidate, fixed[steps], True)
+            if best_steps < 0 or value > best_value:
+                best[:] = candidate
+                best_value, best_steps = value, steps
+        value = _solve(batch, positions, steps, fixed[steps], must, has_must, lengths)
+        chosen = lengths
+        if steps and (rows == 0 or lengths.max() < steps):
+            # D draft steps are only what they cost if a row drafts D: the
+            # row likeliest to accept its D-th draft.
+            if rows == 0:
+                continue
+            row = _likeliest(survival, steps - 1)
+            if survival[row, steps - 1] <= 0:
+                continue
+            candidate[:] = lengths
+            candidate[row] = steps
+            value = _goodput(batch, positions, candidate, fixed[steps], True)
+            chosen = candidate
+        if best_steps < 0 or value > best_value:
+            best[:] = chosen
+            best_value, best_steps = value, steps
+    if best_steps < 0:
+        return best, best_steps, 0.0
+    positions = max_k if max_k < PAIRWISE_FROM else best_steps
+    return best, best_steps, _goodput(batch, positions, best, fixed[best_steps], False)
+
+
+def warm_up_choice() -> None:
+    """Compile (or load) the choice for the argument types the controller
+    passes, so that no step waits for it."""
+    choose_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), 0.1, np.ones(2),
+                   np.zeros(0, dtype=bool), np.float64(1.0), np.zeros(1), False,
+                   np.zeros(1, dtype=bool), False, -1, 0.0)
