@@ -13,6 +13,7 @@ step costs a list comparison rather than a dictionary look-up per request.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 
@@ -70,17 +71,21 @@ class RequestSlots:
         if req_ids == self._last_ids:
             return self._last_slots
         slot_of = self._slot_of
-        present = set(req_ids)
-        # In arrival order: freed slots are reused in the same order on
-        # every run and every rank.
-        self.release([req_id for req_id in slot_of if req_id not in present])
-        new_rows = [row for row, req_id in enumerate(req_ids) if req_id not in slot_of]
-        for row in new_rows:
-            slot_of[req_ids[row]] = self._free.pop()
-        slots = np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1)), dtype=np.int64,
+                            count=len(req_ids))
+        new_rows = np.flatnonzero(slots < 0)
+        if len(slot_of) > len(req_ids) - len(new_rows):
+            # Some live requests are not in the batch. In arrival order:
+            # freed slots are reused in the same order on every run and rank.
+            present = set(req_ids)
+            self.release([req_id for req_id in slot_of if req_id not in present])
         self._last_ids, self._last_slots = list(req_ids), slots
-        if new_rows:
-            self._notify(self._on_arrival, [req_ids[row] for row in new_rows], slots[new_rows])
+        if len(new_rows):
+            taken = [self._free.pop() for _ in range(len(new_rows))]
+            slots[new_rows] = taken
+            new_ids = [req_ids[row] for row in new_rows.tolist()]
+            slot_of.update(zip(new_ids, taken))
+            self._notify(self._on_arrival, new_ids, slots[new_rows])
         return slots
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
