@@ -1,7 +1,7 @@
 """Retrieval's scoring on a GPU, both paths (the torch tiles and the Triton
 kernel), for long decode batches of an 8B-class last layer (32 heads,
 8 KV heads, head dim 128, bf16, block 16, K = 4, chunk 32, every row
-retrieved). Needs torch (and triton on CUDA) only: no vLLM.
+retrieved). Needs torch, numba (and triton on CUDA) only: no vLLM.
 
 For each batch x context and path it records: time per planning call
 (score + select + rewrite) and per ``chunk_attention_sums``, the bytes

@@ -5,8 +5,8 @@ slots (``core/request_slots.py``, shared with goodput control): tracked,
 decoded yet, steps since its last retrieval, selection made, private area,
 retrievals by cause. A request is tracked from its first retrieval row (or
 windowed prompt chunk with private layouts) until it leaves the batch or
-starts over; :meth:`RequestRows._classify_rows` is numpy over those arrays
-(no device reads): which rows retrieve, which are due, which prefill
+starts over; :meth:`RequestRows._classify_rows` is compiled loops over
+those arrays (``core/row_kernels.py``; no device reads): which rows retrieve, which are due, which prefill
 windowed.
 :class:`RequestRows` is a base of :class:`~vllm_specextend.core.planner.RetrievalPlanner`,
 which sets the attributes annotated below.
@@ -24,7 +24,17 @@ from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.draft_view import PlanningBatch, PrivateLayouts
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
+from vllm_specextend.core import row_kernels
 from vllm_specextend.core.request_slots import RequestSlots
+from vllm_specextend.core.row_kernels import (
+    NO_REFRESH,
+    advance_retrieval_rows,
+    classify_rows,
+    int64s,
+    note_retrievals,
+    reset_slots,
+    warm_up_row_kernels,
+)
 
 
 def decode_rows(
@@ -42,14 +52,13 @@ def decode_rows(
     decodes; longer queries after the prompt (a preempted request recomputing
     its output) stay prefills.
     """
-    return (np.asarray(context_lens) >= np.asarray(prompt_lens)) & (
-        np.asarray(query_lens) <= max_num_speculative_tokens + 1
-    )
+    return classify_rows(int64s(query_lens), int64s(context_lens), int64s(prompt_lens),
+                         max_num_speculative_tokens, 1, 0, False)[1]
 
 
-_NO_REFRESH = -1
-_FIRST, _INTERVAL, _ACCEPTANCE = (REFRESH_CAUSES.index(c)
-                                  for c in ("first", "interval", "acceptance"))
+_ACCEPTANCE = REFRESH_CAUSES.index("acceptance")
+assert (row_kernels.FIRST, row_kernels.INTERVAL) == tuple(
+    REFRESH_CAUSES.index(c) for c in ("first", "interval"))
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -125,7 +134,7 @@ class RequestRows:
         self.requests = requests
         requests.subscribe(left=self._requests_left)
         capacity = requests.capacity
-        # Per request slot, on the host: classification is numpy over these.
+        # Per request slot, on the host: classification loops over these.
         self._tracked = np.zeros(capacity, dtype=bool)
         self._decoded = np.zeros(capacity, dtype=bool)
         """Tracked since a decode step (else only through windowed prefill)."""
@@ -137,50 +146,40 @@ class RequestRows:
         """Retrievals by cause."""
         self._acceptance: list[AcceptanceTrend | None] = [None] * capacity
         """Observed only with ``retrieval_refresh: acceptance``."""
+        warm_up_row_kernels()
 
     def _classify_rows(self, batch: PlanningBatch, slots: np.ndarray) -> StepRows:
-        """Host-side, numpy over per-slot state (``slots``: the rows'): which
-        rows retrieve, which are due, which prefill windowed; tracks new
-        requests and drops prefilling ones."""
+        """Host-side, over per-slot state (``slots``: the rows'), compiled
+        (``core/row_kernels.py``): which rows retrieve, which are due, which
+        prefill windowed; tracks new requests and drops prefilling ones."""
         config = self.config
-        k = self.max_num_speculative_tokens
-        query_lens = np.asarray(batch.query_lens_cpu)
-        context_lens = np.asarray(batch.context_lens_cpu)
-        prompt_lens = np.asarray(batch.prompt_lens_cpu)
-        is_decode = decode_rows(query_lens, context_lens, prompt_lens, k)
-        seq_lens = context_lens + query_lens
-        # Prefill rows get no retrieval: the draft writes their KV once, and
-        # would keep KV computed from partial context for good.
-        eligible = is_decode & (seq_lens >= max(config.min_context_tokens, 1))
-        # Rows whose draft positions would leave the draft's window.
-        beyond_window = seq_lens + k > self.draft_window
-        if self.compact_positions:
-            eligible |= is_decode & beyond_window
+        seq_lens, is_decode, beyond_window, rows, prompt_chunks = classify_rows(
+            int64s(batch.query_lens_cpu), int64s(batch.context_lens_cpu),
+            int64s(batch.prompt_lens_cpu), self.max_num_speculative_tokens,
+            # Prefill rows get no retrieval: the draft writes their KV once,
+            # and would keep KV computed from partial context for good.
+            max(config.min_context_tokens, 1), self.draft_window, self.compact_positions)
         step = StepRows(seq_lens=seq_lens, slots=slots)
-        if not is_decode.all():
+        if prompt_chunks:
             self._classify_prompt_chunks(step, slots, is_decode, beyond_window,
-                                         seq_lens >= prompt_lens)
-
-        rows = np.flatnonzero(eligible)
+                                         seq_lens >= batch.prompt_lens_cpu)
         slots = slots[rows]
-        new = slots[~self._tracked[slots]]
+        causes, new = advance_retrieval_rows(
+            slots, self._tracked, self._decoded, self._steps_since_retrieval,
+            self._has_selection, self._area_of_slot, self._refresh_counts,
+            config.retrieval_interval)
         if new.size:
-            self._track(new)
-        self._decoded[slots] = True
-        self._steps_since_retrieval[slots] += 1
-        steps = self._steps_since_retrieval[slots]
-        # As core.refresh.refresh_cause: first, then interval, then acceptance.
-        causes = np.where(~self._has_selection[slots], _FIRST, np.where(
-            steps >= config.retrieval_interval, _INTERVAL, _NO_REFRESH))
+            self._start_tracking(new)
         if config.retrieval_refresh == "acceptance":
-            self._acceptance_refreshes(batch, rows, slots, steps, causes)
-        due = causes != _NO_REFRESH
+            self._acceptance_refreshes(batch, rows, slots, causes)
+        due = np.flatnonzero(causes != NO_REFRESH)
         step.retrieval_rows, step.retrieval_slots = rows, slots
         step.due_rows, step.due_slots, step.due_causes = rows[due], slots[due], causes[due]
-        private = rows[self._area_of_slot[slots] >= 0]
-        if step.private_rows.size:
-            private = np.sort(np.concatenate((private, step.private_rows)))
-        step.private_rows = private
+        if self.private_layouts is not None:
+            private = rows[self._area_of_slot[slots] >= 0]
+            if step.private_rows.size:
+                private = np.sort(np.concatenate((private, step.private_rows)))
+            step.private_rows = private
         return step
 
     def _classify_prompt_chunks(self, step: StepRows, slots: np.ndarray,
@@ -204,26 +203,25 @@ class RequestRows:
         step.private_rows = np.array(private_rows, dtype=np.int64)
 
     def _acceptance_refreshes(self, batch: PlanningBatch, rows: np.ndarray, slots: np.ndarray,
-                              steps: np.ndarray, causes: np.ndarray) -> None:
+                              causes: np.ndarray) -> None:
         """``retrieval_refresh: acceptance``: observe each row's acceptance
         and mark the rows whose acceptance dropped (a loop over the rows:
         this option only)."""
         drop = self.config.acceptance_drop
+        steps = self._steps_since_retrieval[slots].tolist()
         for index, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
             trend = self._acceptance[slot]
             trend.observe(int(batch.context_lens_cpu[row]), int(batch.query_lens_cpu[row]),
-                          int(steps[index]))
-            if causes[index] == _NO_REFRESH and trend.dropped(drop):
+                          steps[index])
+            if causes[index] == NO_REFRESH and trend.dropped(drop):
                 causes[index] = _ACCEPTANCE
 
     def _note_retrievals(self, step: StepRows) -> None:
         """Host bookkeeping of the rows that retrieved: new selections, by cause."""
-        self._has_selection[step.due_slots] = True
-        self._steps_since_retrieval[step.due_slots] = 0
-        # A slot is due at most once a step: no repeated index to add.at.
-        self._refresh_counts[step.due_slots, step.due_causes] += 1
-        for cause, count in zip(REFRESH_CAUSES, np.bincount(
-                step.due_causes, minlength=len(REFRESH_CAUSES)).tolist()):
+        counts = np.zeros(len(REFRESH_CAUSES), dtype=np.int64)
+        note_retrievals(step.due_slots, step.due_causes, self._has_selection,
+                        self._steps_since_retrieval, self._refresh_counts, counts)
+        for cause, count in zip(REFRESH_CAUSES, counts.tolist()):
             self.stats.refreshes[cause] += count
         if self.config.retrieval_refresh == "acceptance":
             for slot, cause in zip(step.due_slots.tolist(), step.due_causes.tolist()):
@@ -232,12 +230,13 @@ class RequestRows:
     def _track(self, slots: np.ndarray) -> None:
         """Start tracking the requests in ``slots``: fresh state, and a
         private area each while one is free."""
-        self._tracked[slots] = True
-        self._decoded[slots] = False
-        self._steps_since_retrieval[slots] = 0
-        self._has_selection[slots] = False
-        self._area_of_slot[slots] = -1
-        self._refresh_counts[slots] = 0
+        reset_slots(slots, self._tracked, self._decoded, self._steps_since_retrieval,
+                    self._has_selection, self._area_of_slot, self._refresh_counts)
+        self._start_tracking(slots)
+
+    def _start_tracking(self, slots: np.ndarray) -> None:
+        """Requests just reset: a private area each while one is free, and
+        an acceptance trend with ``retrieval_refresh: acceptance``."""
         if self.private_layouts is not None:
             for slot in slots.tolist():
                 if self._free_areas:

@@ -74,6 +74,9 @@ class IndexStager:
         self._device = (
             self._host if on_host else torch.zeros(shape, dtype=torch.int64, device=device)
         )
+        # Each set's row, viewed once: a step slices it, nothing more.
+        self._host_sets = self._host.unbind(0)
+        self._device_sets = self._device.unbind(0)
         self._set = 0
         self._lists = 0
         self._end = 0
@@ -102,7 +105,7 @@ class IndexStager:
             row[end:end + length] = values
             end += length
         self._end = end
+        device_rows = self._device_sets[self._set][start:end]
         if self._device is not self._host:
-            self._device[self._set, start:end].copy_(self._host[self._set, start:end],
-                                                     non_blocking=True)
-        return list(self._device[self._set, start:end].split(lengths))
+            device_rows.copy_(self._host_sets[self._set][start:end], non_blocking=True)
+        return list(device_rows.split(lengths))

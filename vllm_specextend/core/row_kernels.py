@@ -1,0 +1,118 @@
+"""The planner's per-row host work, compiled with numba (as goodput control's
+loops, ``control/choice_kernel.py``, and vLLM's n-gram proposer): a step's
+classification and bookkeeping are a few integer tests per row, which as
+numpy would be some thirty array operations, each paying numpy's per-call
+overhead. Integers only, so the results are exactly the numpy expressions'
+in the docstrings. Compiled (or loaded from the cache) at the planner's
+construction (:func:`warm_up_row_kernels`); arguments are int64 / bool arrays
+(:func:`int64s`), so no signature is compiled mid-serving.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NO_REFRESH = -1
+"""A retrieval row whose selection stays (``REFRESH_CAUSES`` index otherwise)."""
+FIRST, INTERVAL = 0, 1
+"""``REFRESH_CAUSES.index("first")``, ``REFRESH_CAUSES.index("interval")``."""
+
+
+def int64s(values) -> np.ndarray:
+    """``values`` as the kernels take them (no copy when already so)."""
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+@njit(cache=True)
+def classify_rows(query_lens, context_lens, prompt_lens, max_num_speculative_tokens,
+                  min_context_tokens, draft_window, compact_positions):
+    """Per row: ``seq_lens = context + query``; ``is_decode`` (the prompt in
+    the cache, a query of at most K + 1: :func:`~vllm_specextend.core.request_rows.decode_rows`);
+    ``beyond_window`` (``seq_lens + K > draft_window``); and the rows that
+    retrieve: decode rows of at least ``min_context_tokens`` or, with compact
+    positions, beyond the window. Also the number of rows that are not
+    decodes (prompt chunks)."""
+    rows = query_lens.shape[0]
+    k = max_num_speculative_tokens
+    seq_lens = np.empty(rows, np.int64)
+    is_decode = np.empty(rows, np.bool_)
+    beyond_window = np.empty(rows, np.bool_)
+    retrieval_rows = np.empty(rows, np.int64)
+    retrieving = prompt_chunks = 0
+    for row in range(rows):
+        seq_len = context_lens[row] + query_lens[row]
+        decode = context_lens[row] >= prompt_lens[row] and query_lens[row] <= k + 1
+        beyond = seq_len + k > draft_window
+        seq_lens[row], is_decode[row], beyond_window[row] = seq_len, decode, beyond
+        prompt_chunks += not decode
+        if decode and (seq_len >= min_context_tokens or (compact_positions and beyond)):
+            retrieval_rows[retrieving] = row
+            retrieving += 1
+    return seq_lens, is_decode, beyond_window, retrieval_rows[:retrieving], prompt_chunks
+
+
+@njit(cache=True)
+def reset_slots(slots, tracked, decoded, steps_since_retrieval, has_selection, area_of_slot,
+                refresh_counts):
+    """Start tracking the requests in ``slots``: fresh state, no area yet."""
+    for slot in slots:
+        tracked[slot], decoded[slot], has_selection[slot] = True, False, False
+        steps_since_retrieval[slot], area_of_slot[slot] = 0, -1
+        refresh_counts[slot, :] = 0
+
+
+@njit(cache=True)
+def advance_retrieval_rows(slots, tracked, decoded, steps_since_retrieval, has_selection,
+                           area_of_slot, refresh_counts, retrieval_interval):
+    """A step of the retrieval rows' requests (``slots``): untracked ones
+    start (:func:`reset_slots`; returned, for their areas), every one counts
+    the step, and each row's cause to retrieve: ``first`` without a
+    selection, ``interval`` once ``retrieval_interval`` steps have passed,
+    else ``NO_REFRESH``. Returns ``(causes, new slots)``."""
+    rows = slots.shape[0]
+    causes = np.empty(rows, np.int64)
+    new = np.empty(rows, np.int64)
+    num_new = 0
+    for row in range(rows):
+        if not tracked[slots[row]]:
+            new[num_new] = slots[row]
+            num_new += 1
+    reset_slots(new[:num_new], tracked, decoded, steps_since_retrieval, has_selection,
+                area_of_slot, refresh_counts)
+    for row in range(rows):
+        slot = slots[row]
+        decoded[slot] = True
+        steps_since_retrieval[slot] += 1
+        if not has_selection[slot]:
+            causes[row] = FIRST
+        elif steps_since_retrieval[slot] >= retrieval_interval:
+            causes[row] = INTERVAL
+        else:
+            causes[row] = NO_REFRESH
+    return causes, new[:num_new]
+
+
+@njit(cache=True)
+def note_retrievals(due_slots, due_causes, has_selection, steps_since_retrieval,
+                    refresh_counts, counts_by_cause):
+    """The due rows retrieved: each has a new selection, its step count
+    restarts, and its retrievals (and the step's, ``counts_by_cause``) count
+    the cause."""
+    for row in range(due_slots.shape[0]):
+        slot, cause = due_slots[row], due_causes[row]
+        has_selection[slot] = True
+        steps_since_retrieval[slot] = 0
+        refresh_counts[slot, cause] += 1
+        counts_by_cause[cause] += 1
+
+
+def warm_up_row_kernels() -> None:
+    """Compile (or load) the kernels for the argument types the planner passes."""
+    ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
+    counts = np.zeros((1, 3), dtype=np.int64)
+    classify_rows(ints, ints, ints, 1, 1, 1, False)
+    advance_retrieval_rows(ints, flags.copy(), flags.copy(), ints.copy(), flags.copy(),
+                           ints.copy(), counts, 1)
+    reset_slots(ints, flags.copy(), flags.copy(), ints.copy(), flags.copy(), ints.copy(), counts)
+    note_retrievals(ints, ints, flags.copy(), ints.copy(), counts, np.zeros(3, dtype=np.int64))
