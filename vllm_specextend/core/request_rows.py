@@ -5,9 +5,9 @@ slots (``core/request_slots.py``, shared with goodput control): tracked,
 decoded yet, steps since its last retrieval, selection made, private area,
 retrievals by cause. A request is tracked from its first retrieval row (or
 windowed prompt chunk with private layouts) until it leaves the batch or
-starts over; :meth:`RequestRows._classify_rows` is compiled loops over
-those arrays (``core/row_kernels.py``; no device reads): which rows retrieve, which are due, which prefill
-windowed.
+starts over. :meth:`RequestRows._classify_rows` runs compiled loops over
+those arrays (``core/row_kernels.py``; no device reads): which rows retrieve,
+which are due, which prefill windowed.
 :class:`RequestRows` is a base of :class:`~vllm_specextend.core.planner.RetrievalPlanner`,
 which sets the attributes annotated below.
 """
@@ -24,7 +24,6 @@ from vllm_specextend.core.counters import RetrievalStats
 from vllm_specextend.core.draft_view import PlanningBatch, PrivateLayouts
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
-from vllm_specextend.core import row_kernels
 from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.row_kernels import (
     NO_REFRESH,
@@ -57,8 +56,6 @@ def decode_rows(
 
 
 _ACCEPTANCE = REFRESH_CAUSES.index("acceptance")
-assert (row_kernels.FIRST, row_kernels.INTERVAL) == tuple(
-    REFRESH_CAUSES.index(c) for c in ("first", "interval"))
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)

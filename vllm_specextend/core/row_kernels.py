@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_specextend.core.refresh import REFRESH_CAUSES
+
 NO_REFRESH = -1
 """A retrieval row whose selection stays (``REFRESH_CAUSES`` index otherwise)."""
-FIRST, INTERVAL = 0, 1
-"""``REFRESH_CAUSES.index("first")``, ``REFRESH_CAUSES.index("interval")``."""
+FIRST, INTERVAL = REFRESH_CAUSES.index("first"), REFRESH_CAUSES.index("interval")
 
 
 def int64s(values) -> np.ndarray:
