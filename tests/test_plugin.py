@@ -137,3 +137,22 @@ def test_wrap_once_wraps_methods_and_properties_once():
         wrap_once(Stock, "value", add_one)
     assert Stock().method() == 2 and Stock().value == 11
     assert Stock.method.__wrapped__(Stock()) == 1
+
+
+def test_vllms_kernel_overrides_register_beside_our_compiled_loops():
+    """numba (our compiled host loops) loads llvmlite, whose FFI module
+    answers every attribute; vLLM's ``register_kernels`` reads one of every
+    module attribute, and the CPU platform calls it at every worker's start.
+    Without the plugin's patch (``patches._patch_kernel_dispatcher``) this
+    fails with "'_lib_fn_wrapper' object has no attribute 'get'"."""
+    import llvmlite.binding.ffi  # noqa: F401 (as numba loads it)
+    from vllm.triton_utils import dispatcher
+
+    import vllm_specextend.core.row_kernels  # noqa: F401
+
+    vllm_specextend.register()
+    assert dispatcher.register_kernels._specextend_wrapped
+    dispatcher.register_kernels({})  # scans every module, registers nothing
+    assert "llvmlite.binding.ffi" in sys.modules
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        dispatcher.register_kernels.__wrapped__({})  # vLLM's own, unpatched

@@ -39,6 +39,10 @@ options every wrapper calls straight through.
   key copy (and, with compact draft positions, of the plain draft KV copy) is
   taken off the memory reported for the KV cache, so vLLM sizes the cache
   with them counted.
+- ``vllm.triton_utils.dispatcher.register_kernels`` (the CPU platform's
+  Triton fallbacks, and our sampler fix): its scan of every module leaves
+  out llvmlite's FFI module, which numba loads for our compiled host loops
+  and which the scan cannot read (below).
 
 Per-layer hooks (the tap, the plain draft KV copy) are instance-level and
 live with retrieval (``retrieval/layer_hooks.py``).
@@ -49,9 +53,11 @@ one file, so that what SpecExtend changes in vLLM reads in one place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -78,6 +84,7 @@ MODEL_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+KERNEL_DISPATCHER_MODULE = "vllm.triton_utils.dispatcher"
 WORKER_CLASSES = {"vllm.v1.worker.gpu_worker": "Worker", "vllm.v1.worker.cpu_worker": "CPUWorker"}
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 PATCHED_MARK = "_specextend_wrapped"
@@ -93,6 +100,7 @@ def install() -> None:
     when_imported(LLM_ENGINE_MODULE, _patch_llm_engine_get_metrics)
     when_imported(ASYNC_LLM_MODULE, _patch_async_llm_do_log_stats)
     when_imported(ENGINE_CORE_MODULE, _patch_engine_core_kv_caches)
+    when_imported(KERNEL_DISPATCHER_MODULE, _patch_kernel_dispatcher)
     for module_name, class_name in WORKER_CLASSES.items():
         when_imported(module_name, functools.partial(_patch_worker_memory, class_name=class_name))
 
@@ -113,7 +121,8 @@ def install_version_guard(message: str) -> None:
                                            make_wrapper))
 
 
-def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+def wrap_once(owner: type | ModuleType, name: str,
+              make_wrapper: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` with ``make_wrapper(original)``, once: a second
     call finds the mark and does nothing. A property is wrapped on its getter.
     The wrapper gets ``original``'s name, docs and ``__wrapped__``."""
@@ -438,3 +447,34 @@ def patch_cpu_rejection_sampler() -> bool:
         return True
     register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     return True
+
+
+def _patch_kernel_dispatcher(module: ModuleType) -> None:
+    def make_wrapper(original: Callable) -> Callable:
+        def register_kernels(overrides):
+            with _modules_left_out_of_kernel_scan():
+                return original(overrides)
+
+        return register_kernels
+
+    wrap_once(module, "register_kernels", make_wrapper)
+
+
+UNSCANNABLE_MODULES = ("llvmlite.binding.ffi",)
+"""Modules whose attributes break vLLM's kernel rebinding scan."""
+
+
+@contextlib.contextmanager
+def _modules_left_out_of_kernel_scan() -> Iterator[None]:
+    """``register_kernels`` rebinds every reference to a kernel by reading
+    ``vars(value).get("kernel")`` of every attribute of every module in
+    ``sys.modules`` (vLLM 0.32, ``vllm/triton_utils/dispatcher.py:139``).
+    ``llvmlite.binding.ffi.lib``, loaded with numba (our compiled host loops),
+    answers every attribute, ``__dict__`` included, with a function wrapper,
+    and the scan fails. That module holds no vLLM kernel: it is out of
+    ``sys.modules`` while the scan runs."""
+    hidden = {name: sys.modules.pop(name) for name in UNSCANNABLE_MODULES if name in sys.modules}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
