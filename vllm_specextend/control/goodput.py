@@ -46,7 +46,13 @@ from vllm_specextend.control.parameters import (
     ControlParameters,
     StepOutcome,
 )
-from vllm_specextend.control.plan_kernels import note_plan, warm_up_plan_kernels
+from vllm_specextend.control.plan_kernels import (
+    note_plan,
+    paused_fractions,
+    start_requests,
+    step_rows,
+    warm_up_plan_kernels,
+)
 from vllm_specextend.core.request_slots import RequestSlots
 
 __all__ = [
@@ -147,16 +153,11 @@ class GoodputController(ForcedDrafts):
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
         """New requests start from the engine's acceptance estimates and the
         latest probe back-off."""
-        self._context_len[new] = -1
-        self._verified_drafts[new] = 0
-        self._drafted[new] = -1
-        self._probed[new] = False
-        self._verified_probe[new] = False
-        self._paused_steps[new] = 0
-        self._probe_after[new] = self._arrival_probe_after
-        self._drafted_steps[new] = 0
-        self._paused_decode_steps[new] = 0
-        self.acceptance.rates[new] = self.acceptance.engine_rates
+        start_requests(new, self._arrival_probe_after, self._context_len,
+                       self._verified_drafts, self._drafted, self._probed,
+                       self._verified_probe, self._paused_steps, self._probe_after,
+                       self._drafted_steps, self._paused_decode_steps, self.acceptance.rates,
+                       self.acceptance.engine_rates)
 
     def observe(self, outcome: StepOutcome) -> None:
         """What the engine did with the last plan (its cost is learnt at the
@@ -190,44 +191,29 @@ class GoodputController(ForcedDrafts):
         p = self.parameters
         slots = self.admit(req_ids)
         num_requests = len(req_ids)
-        seq_lens = context_lens + query_lens
-        prompting = context_lens < prompt_lens
-        prefilling = bool(prompting.any())
+        context_lens, query_lens = ints(context_lens), ints(query_lens)
+        graph = self.full_graph_query_len
+        # Rows still prefilling after this step get no drafts (vLLM drops them).
+        verifying, decoding, drafting, tokens, other_tokens, prefilling, uniform = step_rows(
+            slots, context_lens, query_lens, ints(prompt_lens), self._drafted,
+            -1 if graph is None else graph)
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
-            self._observe_cost(int(query_lens.sum()), now, self._piecewise(query_lens))
+            self._observe_cost(tokens, now, graph is not None and not uniform)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
-        self._observe_acceptance(slots, context_lens, query_lens, ~prompting)
-        # Rows still prefilling after this step get no drafts (vLLM drops them).
-        decoding = seq_lens >= prompt_lens
-        drafting = self._drafted[slots] > 0
-        other_tokens = int(query_lens[~decoding].sum())
+        self._observe_acceptance(slots, context_lens, query_lens, verifying)
         paused_step = max(float(self.cost.predict(self.cost.features(
             num_requests + other_tokens, 0, piecewise=True))), 0.0)
-        paused_steps = self._paused_steps[slots]
-        budgets = self._probe_budgets(paused_steps, num_requests, paused_step)
-        least = np.full(num_requests, p.min_probe_catch_up, dtype=np.int64)
-        if whole_catch_up is not None and catch_up_gaps is not None:
-            least = np.where(whole_catch_up, np.maximum(catch_up_gaps, least), least)
-            if not self._catch_up_timed:
-                # Its price unknown, a whole gap is not risked on a probe.
-                budgets = np.where(whole_catch_up, 0.0, budgets)
-        probe_after = self._probe_after[slots]
-        due = paused_steps >= np.where(probe_after != 0, probe_after, p.probe_interval)
-        probing = decoding & due
-        if probing.any():
-            probing &= self._affordable(budgets, 1, num_requests, least)
         survival = self.acceptance.survival(slots)
-        survival[~decoding] = 0.0
-        resume = self._resume_seconds(slots, catch_up_gaps, probing)
+        budgets, least, probing, paused_steps, probe_after, resume = self._forced_rows(
+            slots, decoding, survival, paused_step, catch_up_gaps, whole_catch_up)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=p.hysteresis, must_draft=probing,
             resume_seconds=resume,
-            uniform_draft_length=(None if self.full_graph_query_len is None
-                                  else self.full_graph_query_len - 1),
+            uniform_draft_length=None if graph is None else graph - 1,
         )
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests, least)
@@ -235,9 +221,8 @@ class GoodputController(ForcedDrafts):
             self._prompt_budget += p.probe_budget * paused_step
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
-                    survival, drafting, resume, prompting, query_lens, num_requests))
-        plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests,
-                                    least)
+                    survival, drafting, resume, ~verifying, query_lens, num_requests))
+        plan = self._limit_catch_up(plan, probing, chosen, budgets, least)
         self._note_plan(slots, plan.draft_lengths, probing, decoding, chosen, paused_steps,
                         probe_after)
         self._plans += 1
@@ -267,11 +252,9 @@ class GoodputController(ForcedDrafts):
 
     def _finish(self, req_ids: list[str], freed: np.ndarray) -> None:
         """Keep the paused share of requests that left, for the metrics."""
-        paused = self._paused_decode_steps[freed]
-        decode_steps = self._drafted_steps[freed] + paused
         stats = self.stats
-        stats.finished_paused_fractions += [
-            int(q) / int(d) for q, d in zip(paused.tolist(), decode_steps.tolist()) if d]
+        stats.finished_paused_fractions += paused_fractions(
+            freed, self._drafted_steps, self._paused_decode_steps).tolist()
         if len(stats.finished_paused_fractions) > FOLD_AT:
             stats.fold()
 
@@ -286,11 +269,6 @@ class GoodputController(ForcedDrafts):
                 for req_id, slot in self.requests.items()}
 
     # ---- internals -------------------------------------------------------
-
-    def _piecewise(self, query_lens: np.ndarray) -> bool:
-        """Whether a decode step of ``query_lens`` left the FULL CUDA graphs."""
-        graph = self.full_graph_query_len
-        return graph is not None and not bool((query_lens == graph).all())
 
     def _observe_cost(self, verified: int, now: float, piecewise: bool = False) -> None:
         last = self._last_time
