@@ -13,12 +13,7 @@ import numpy as np
 
 from vllm_specextend.control.draft_lengths import DraftPlan
 from vllm_specextend.control.kernel_args import flags, floats, ints
-from vllm_specextend.control.plan_kernels import (
-    UNLIMITED,
-    affordable,
-    catch_up_limits,
-    forced_rows,
-)
+from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, forced_rows
 
 __all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]
 
@@ -31,10 +26,10 @@ class ForcedDrafts:
     """The :class:`GoodputController` methods that price and plan forced
     drafts and catch-up."""
 
-    def _forced_rows(self, slots: np.ndarray, decoding: np.ndarray, survival: np.ndarray,
-                     paused_step: float, gaps: np.ndarray | None, whole: np.ndarray | None):
+    def _forced_rows(self, slots: np.ndarray, decoding: np.ndarray, paused_step: float,
+                     gaps: np.ndarray | None, whole: np.ndarray | None):
         """Per row (:func:`~vllm_specextend.control.plan_kernels.forced_rows`):
-        ``(budgets, least, probing, paused plans, probe back-off, resume)``.
+        ``(budgets, least, probing, resume)``, views of the row scratch.
 
         A row's budget is the seconds its next forced drafts (a probe, an
         exploration) may cost: ``probe_budget`` of its share of the steps it
@@ -48,16 +43,20 @@ class ForcedDrafts:
         estimates adds to its step, catching up its gap once, spread over
         as many steps as the request has decoded (at least a probe interval;
         it is expected to run about as long again); a probe's catch-up is
-        its budget's. Rows not decoding get a ``survival`` of 0."""
+        its budget's."""
         p = self.parameters
+        rows = len(slots)
         whole = _NO_FLAGS if whole is None or gaps is None else flags(whole)
-        rows = forced_rows(
+        forced_rows(
             slots, decoding, _NO_INTS if gaps is None else ints(gaps), whole,
-            self._paused_steps, self._probe_after, self._drafted_steps,
-            self._paused_decode_steps, survival, p.probe_budget * paused_step / len(slots),
-            p.min_probe_catch_up, self._catch_up_timed, p.probe_interval,
-            floats(self.cost.weights), self._forced_catch_up_seconds(), self._catch_up_seconds())
-        return rows if gaps is not None else (*rows[:5], None)
+            (self._paused_steps, self._probe_after, self._drafted_steps,
+             self._paused_decode_steps),
+            p.probe_budget * paused_step / rows, p.min_probe_catch_up, self._catch_up_timed,
+            p.probe_interval, floats(self.cost.weights), self._forced_catch_up_seconds(),
+            self._catch_up_seconds(), self._row_flags, self._row_ints, self._row_seconds)
+        budgets, resume = self._row_seconds[:, :rows]
+        return (budgets, self._row_ints[0, :rows], self._row_flags[3, :rows],
+                None if gaps is None else resume)
 
     def _catch_up_seconds(self) -> float:
         """Seconds per caught-up token: learnt once a catch-up was timed, at
@@ -83,19 +82,6 @@ class ForcedDrafts:
         the least catch-up (``least`` tokens)."""
         return affordable(budgets, least, floats(self.cost.weights), draft_steps,
                           num_requests, self._forced_catch_up_seconds())
-
-    def _limit_catch_up(self, plan: DraftPlan, probing: np.ndarray, chosen: np.ndarray,
-                        budgets: np.ndarray, least: np.ndarray) -> DraftPlan:
-        """Catch-up limits: a row drafting on its estimates catches up all of
-        its gap, a paused row none, a row drafting by force (``probing``,
-        none ``chosen``: warm-up, exploration) what its budget buys beyond
-        its drafts, and at least ``least`` (only that until a catch-up was
-        timed)."""
-        limits = catch_up_limits(ints(plan.draft_lengths), probing, ints(chosen), budgets, least,
-                                 floats(self.cost.weights), self._catch_up_timed,
-                                 self._forced_catch_up_seconds())
-        return DraftPlan(plan.draft_lengths, plan.draft_steps, plan.expected_goodput, limits,
-                         plan.draft_prefill)
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  num_requests: int, least: np.ndarray) -> DraftPlan:

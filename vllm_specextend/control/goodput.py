@@ -39,7 +39,7 @@ from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
-from vllm_specextend.control.kernel_args import flags, ints
+from vllm_specextend.control.kernel_args import floats, ints
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
@@ -47,8 +47,8 @@ from vllm_specextend.control.parameters import (
     StepOutcome,
 )
 from vllm_specextend.control.plan_kernels import (
-    note_plan,
     paused_fractions,
+    settle_plan,
     start_requests,
     step_rows,
     warm_up_plan_kernels,
@@ -125,6 +125,14 @@ class GoodputController(ForcedDrafts):
         """Decode steps each request drafted in (its metrics)."""
         self._paused_decode_steps = np.zeros(max_requests, dtype=np.int64)
         """Decode steps it did not draft in."""
+        # Per row of a plan (its first rows), scratch:
+        self._row_flags = np.zeros((4, max_requests), dtype=bool)
+        """Verifying drafts, decoding after the step, drafted at the
+        previous plan, probing."""
+        self._row_ints = np.zeros((3, max_requests), dtype=np.int64)
+        """Least catch-up, paused plans, probe back-off."""
+        self._row_seconds = np.zeros((2, max_requests))
+        """Forced-draft budget, resume seconds."""
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would
@@ -193,22 +201,25 @@ class GoodputController(ForcedDrafts):
         num_requests = len(req_ids)
         context_lens, query_lens = ints(context_lens), ints(query_lens)
         graph = self.full_graph_query_len
+        estimates = self.acceptance.kernel_args()
         # Rows still prefilling after this step get no drafts (vLLM drops them).
-        verifying, decoding, drafting, tokens, other_tokens, prefilling, uniform = step_rows(
-            slots, context_lens, query_lens, ints(prompt_lens), self._drafted,
-            -1 if graph is None else graph)
+        tokens, other_tokens, prefilling, uniform = step_rows(
+            slots, context_lens, query_lens, ints(prompt_lens), -1 if graph is None else graph,
+            self._drafted, estimates, (
+                self._context_len, self._verified_drafts, self._verified_probe, self._probed),
+            self._row_flags)
+        verifying, decoding, drafting = self._row_flags[:3, :num_requests]
+        survival = estimates[-1][:num_requests]
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
             self._observe_cost(tokens, now, graph is not None and not uniform)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
-        self._observe_acceptance(slots, context_lens, query_lens, verifying)
         paused_step = max(float(self.cost.predict(self.cost.features(
             num_requests + other_tokens, 0, piecewise=True))), 0.0)
-        survival = self.acceptance.survival(slots)
-        budgets, least, probing, paused_steps, probe_after, resume = self._forced_rows(
-            slots, decoding, survival, paused_step, catch_up_gaps, whole_catch_up)
+        budgets, least, probing, resume = self._forced_rows(
+            slots, decoding, paused_step, catch_up_gaps, whole_catch_up)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=p.hysteresis, must_draft=probing,
@@ -222,21 +233,27 @@ class GoodputController(ForcedDrafts):
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
                     survival, drafting, resume, ~verifying, query_lens, num_requests))
-        plan = self._limit_catch_up(plan, probing, chosen, budgets, least)
-        self._note_plan(slots, plan.draft_lengths, probing, decoding, chosen, paused_steps,
-                        probe_after)
+        plan = self._note_plan(slots, plan, chosen)
         self._plans += 1
         return plan
 
-    def _note_plan(self, slots, lengths, probing, decoding, chosen, paused_steps,
-                   probe_after) -> None:
-        """Each request's state after this plan, and the engine's counts
-        (:func:`~vllm_specextend.control.plan_kernels.note_plan`)."""
+    def _note_plan(self, slots: np.ndarray, plan: DraftPlan, chosen: np.ndarray) -> DraftPlan:
+        """The plan with its catch-up limits; each request's state after it,
+        and the engine's counts
+        (:func:`~vllm_specextend.control.plan_kernels.settle_plan`).
+
+        Catch-up limits: a row drafting on its estimates catches up all of
+        its gap, a paused row none, a row drafting by force (probing, none
+        chosen: warm-up, exploration) what its budget buys beyond its
+        drafts, and at least its least catch-up (only that until a catch-up
+        was timed)."""
         p = self.parameters
-        probes, arrival, changed, drafted, paused = note_plan(
-            slots, ints(lengths), flags(probing), flags(decoding), ints(chosen),
-            paused_steps, probe_after, self._drafted, self._probed, self._paused_steps,
-            self._probe_after, self._drafted_steps, self._paused_decode_steps,
+        limits, (probes, arrival, changed, drafted, paused) = settle_plan(
+            slots, ints(plan.draft_lengths), ints(chosen), self._row_flags, self._row_ints,
+            self._row_seconds, floats(self.cost.weights), self._catch_up_timed,
+            self._forced_catch_up_seconds(), (
+                self._drafted, self._probed, self._paused_steps, self._probe_after,
+                self._drafted_steps, self._paused_decode_steps),
             self.stats.chosen_lengths, p.probe_interval, p.max_probe_backoff)
         if changed:
             # Requests arriving after a failed probe wait as long.
@@ -244,6 +261,8 @@ class GoodputController(ForcedDrafts):
         self.stats.probes += probes
         self.stats.drafted_request_steps += drafted
         self.stats.paused_request_steps += paused
+        return DraftPlan(plan.draft_lengths, plan.draft_steps, plan.expected_goodput, limits,
+                         plan.draft_prefill)
 
     def finish(self, req_ids: list[str]) -> None:
         """Requests that left the batch (finished or aborted): their slots
@@ -290,13 +309,6 @@ class GoodputController(ForcedDrafts):
                 seconds = min(seconds, self.parameters.slow_step_clip * predicted)
         self.cost.observe(features, seconds)
         self._catch_up_timed |= self._last_catch_up_tokens > 0
-
-    def _observe_acceptance(self, slots, context_lens, query_lens, decoding) -> None:
-        """The previous step verified ``verified_drafts`` drafts of each
-        request; the context gained since is the accepted ones + 1."""
-        self.acceptance.observe_step(slots, context_lens, query_lens, decoding,
-                                     self._context_len, self._verified_drafts,
-                                     self._verified_probe, self._probed)
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_specextend.control.acceptance import observe_verified, survival_rows
 from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES
 
 UNLIMITED = np.iinfo(np.int64).max
@@ -22,16 +23,21 @@ _INT64_MIN = np.iinfo(np.int64).min
 
 
 @njit(cache=True)
-def step_rows(slots, context_lens, query_lens, prompt_lens, drafted, graph_query_len):
-    """The step's rows: ``(verifying, decoding, drafting, tokens, other
-    tokens, prefilling, uniform)``: per row whether its query verifies
-    drafts (its prompt was in before), whether it decodes after this step,
-    whether it drafted at the previous plan; the step's tokens, those of
-    rows not decoding, whether a row has prompt tokens in this step, and
-    whether every query is ``graph_query_len`` long."""
+def step_rows(slots, context_lens, query_lens, prompt_lens, graph_query_len, drafted,
+              estimates, verification, row_flags):
+    """The step's rows, and what the step just verified shows. Per row (in
+    ``row_flags[:3]``): whether its query verifies drafts (its prompt was in
+    before), whether it decodes after this step, whether it drafted at the
+    previous plan. The acceptance ``estimates`` (``AcceptanceEstimates.
+    kernel_args``) learn from the drafts verified (``verification``: the
+    controller's per-slot ``(context, verified drafts, verified probe,
+    probed)``, see :func:`~vllm_specextend.control.acceptance.observe_verified`),
+    then give each row's survival into their scratch (0 for rows not
+    decoding). Returns the step's tokens, those of rows not decoding,
+    whether a row has prompt tokens in this step, and whether every query
+    is ``graph_query_len`` long."""
     rows = slots.shape[0]
-    verifying, decoding = np.empty(rows, np.bool_), np.empty(rows, np.bool_)
-    drafting = np.empty(rows, np.bool_)
+    verifying, decoding, drafting = row_flags[0], row_flags[1], row_flags[2]
     tokens, other, prefilling, uniform = 0, 0, False, True
     for row in range(rows):
         context, query = context_lens[row], query_lens[row]
@@ -42,7 +48,16 @@ def step_rows(slots, context_lens, query_lens, prompt_lens, drafted, graph_query
         other += 0 if decoding[row] else query
         prefilling |= not verifying[row]
         uniform &= query == graph_query_len
-    return verifying, decoding, drafting, tokens, other, prefilling, uniform
+    rates, engine_rates, smoothing, probe_smoothing, survival = estimates
+    last_context, verified_drafts, verified_probe, probed = verification
+    observe_verified(rates, engine_rates, slots, context_lens, query_lens, verifying[:rows],
+                     last_context, verified_drafts, verified_probe, probed, smoothing,
+                     probe_smoothing)
+    survival_rows(rates, slots, survival)
+    for row in range(rows):
+        if not decoding[row]:
+            survival[row, :] = 0.0
+    return tokens, other, prefilling, uniform
 
 
 @njit(cache=True)
@@ -73,17 +88,19 @@ def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up)
 
 
 @njit(cache=True)
-def forced_rows(slots, decoding, gaps, whole, paused_state, probe_after_state, drafted_steps,
-                paused_decode_steps, survival, budget_per_paused_step, min_catch_up, timed,
-                probe_interval, weights, per_forced_token, per_token):
-    """Per row, what forced drafts may do (see ``GoodputController.plan``):
-    ``(budgets, least catch-up, probing, paused plans, probe back-off,
-    resume seconds)``. Rows not decoding get a survival of 0. ``gaps``,
-    ``whole``: empty when not given (then no resume seconds)."""
+def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min_catch_up,
+                timed, probe_interval, weights, per_forced_token, per_token, row_flags,
+                row_ints, row_seconds):
+    """Per row, what forced drafts may do (see ``GoodputController.
+    _forced_rows``): whether it probes (``row_flags[3]``), its least
+    catch-up, paused plans and probe back-off (``row_ints``), its budget and
+    resume seconds (``row_seconds``). ``state``: the controller's per-slot
+    ``(paused plans, probe back-off, drafted steps, paused decode steps)``;
+    ``gaps``, ``whole``: empty when not given (then no resume seconds)."""
+    paused_state, probe_after_state, drafted_steps, paused_decode_steps = state
+    probing, least, paused, probe_after = row_flags[3], row_ints[0], row_ints[1], row_ints[2]
+    budgets, resume = row_seconds[0], row_seconds[1]
     rows = slots.shape[0]
-    budgets, resume = np.empty(rows), np.zeros(rows if gaps.shape[0] else 0)
-    least, probing = np.empty(rows, np.int64), np.empty(rows, np.bool_)
-    paused, probe_after = np.empty(rows, np.int64), np.empty(rows, np.int64)
     probe_price = forced_seconds(weights, 1, rows)
     for row in range(rows):
         slot = slots[row]
@@ -97,12 +114,10 @@ def forced_rows(slots, decoding, gaps, whole, paused_state, probe_after_state, d
         due = paused[row] >= (probe_after[row] if probe_after[row] != 0 else probe_interval)
         probing[row] = decoding[row] and due and (
             budgets[row] >= probe_price + per_forced_token * least[row])
+        resume[row] = 0.0
         if gaps.shape[0] and not probing[row]:
             horizon = max(drafted_steps[slot] + paused_decode_steps[slot], probe_interval)
             resume[row] = gaps[row] * per_token / horizon
-        if not decoding[row]:
-            survival[row, :] = 0.0
-    return budgets, least, probing, paused, probe_after, resume
 
 
 @njit(cache=True)
@@ -200,17 +215,40 @@ def paused_fractions(freed, drafted_steps, paused_decode_steps):
     return fractions[:count]
 
 
+@njit(cache=True)
+def settle_plan(slots, lengths, chosen, row_flags, row_ints, row_seconds, weights, timed,
+                per_catch_up, state, histogram, probe_interval, max_backoff):
+    """:func:`catch_up_limits` and :func:`note_plan` of a plan of ``lengths``
+    (``chosen`` on estimates) in one call, from :func:`forced_rows`'s rows;
+    ``state``: the controller's per-slot ``(drafts planned, probed, paused
+    plans, probe back-off, drafted steps, paused decode steps)``. Returns
+    the limits and :func:`note_plan`'s counts."""
+    rows = slots.shape[0]
+    probing, decoding = row_flags[3, :rows], row_flags[1, :rows]
+    least, paused, probe_after = row_ints[0, :rows], row_ints[1, :rows], row_ints[2, :rows]
+    limits = catch_up_limits(lengths, probing, chosen, row_seconds[0, :rows], least, weights,
+                             timed, per_catch_up)
+    drafted, probed, paused_state, probe_after_state, drafted_steps, paused_decode_steps = state
+    counts = note_plan(slots, lengths, probing, decoding, chosen, paused, probe_after, drafted,
+                       probed, paused_state, probe_after_state, drafted_steps,
+                       paused_decode_steps, histogram, probe_interval, max_backoff)
+    return limits, counts
+
+
 def warm_up_plan_kernels() -> None:
     """Compile (or load) the kernels for the argument types used."""
     ints, flags, floats = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool), np.zeros(1)
     weights = np.zeros(NUM_LINEAR_FEATURES + 1)
-    step_rows(ints, ints, ints, ints, ints, -1)
+    row_flags, row_ints, row_seconds = (np.zeros((4, 1), dtype=bool),
+                                        np.zeros((3, 1), dtype=np.int64), np.zeros((2, 1)))
+    step_rows(ints, ints, ints, ints, -1, ints, (np.zeros((1, 1)), floats, 0.2, 0.5,
+              np.zeros((1, 1))), (ints.copy(), ints.copy(), flags.copy(), flags), row_flags)
     affordable(floats, ints, weights, 1, 1, 0.0)
-    forced_rows(ints, flags, ints, flags, ints, ints, ints, ints, np.zeros((1, 1)), 0.0, 8,
-                False, 16, weights, 0.0, 0.0)
-    catch_up_limits(ints, flags, ints, floats, ints, weights, False, 0.0)
+    forced_rows(ints, flags, ints, flags, (ints, ints, ints, ints), 0.0, 8, False, 16, weights,
+                0.0, 0.0, row_flags, row_ints, row_seconds)
+    settle_plan(ints, ints, ints, row_flags, row_ints, row_seconds, weights, False, 0.0,
+                (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy()),
+                np.zeros(2, dtype=np.int64), 16, 8)
     start_requests(ints, 0, ints.copy(), ints.copy(), ints.copy(), flags.copy(), flags.copy(),
                    ints.copy(), ints.copy(), ints.copy(), ints.copy(), np.zeros((1, 1)), floats)
     paused_fractions(ints, ints, ints)
-    note_plan(ints, ints, flags, flags, ints, ints, ints, ints.copy(), flags.copy(), ints.copy(),
-              ints.copy(), ints.copy(), ints.copy(), np.zeros(2, dtype=np.int64), 16, 8)
