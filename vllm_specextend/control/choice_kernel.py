@@ -31,6 +31,11 @@ def pairwise_sum(values, n):
     functions)."""
     if n <= _PAIRWISE_BLOCK:
         return 0.0 + _block_sum(values, 0, n)
+    half = n // 2
+    half -= half % 8
+    if n - half <= _PAIRWISE_BLOCK:
+        # One split into two blocks (a batch up to 256): no tree to walk.
+        return 0.0 + (_block_sum(values, 0, half) + _block_sum(values, half, n - half))
     # The halves' tree, depth first: per level its start, size, half and
     # the left half's sum once known.
     starts, sizes, halves = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
