@@ -27,7 +27,7 @@ class ForcedDrafts:
     drafts and catch-up."""
 
     def _forced_rows(self, slots: np.ndarray, decoding: np.ndarray, paused_step: float,
-                     gaps: np.ndarray | None, whole: np.ndarray | None):
+                     gaps: np.ndarray | None, whole: np.ndarray | None) -> tuple:
         """Per row (:func:`~vllm_specextend.control.plan_kernels.forced_rows`):
         ``(budgets, least, probing, resume)``, views of the row scratch.
 

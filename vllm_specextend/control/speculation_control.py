@@ -192,7 +192,7 @@ class SpeculationControl:
             self._stale_blocks.update(stale.tolist())
 
     def _advance_frontiers(self, slots: np.ndarray, context_lens: np.ndarray,
-                           prompt_lens: np.ndarray):
+                           prompt_lens: np.ndarray) -> tuple:
         """Each request's draft KV frontier after the last step; blocks the
         last forward filled leave the stale set, its holes join it. Returns
         per row its frontier, its gap (the verified tokens its draft KV
