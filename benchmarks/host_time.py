@@ -276,8 +276,7 @@ def measure(args) -> dict:
 GOODPUT_FUNCTIONS = {
     "control": ("_advance_frontiers", "_keep_lagging_blocks"),
     # admit: the request slots' update, arrivals and departures included.
-    "controller": ("admit", "_observe_cost", "_observe_acceptance", "_probe_budgets",
-                   "_resume_seconds", "_explore", "_limit_catch_up", "_note_plan"),
+    "controller": ("admit", "_observe_cost", "_forced_rows", "_explore", "_note_plan"),
 }
 
 

@@ -14,7 +14,7 @@ def _bits(value: float) -> bytes:
     return np.float64(value).tobytes()
 
 
-@pytest.mark.parametrize("n", [*range(0, 20), 127, 128, 129, 255, 256, 1000, 4099])
+@pytest.mark.parametrize("n", [*range(0, 20), 127, 128, 129, 200, 250, 255, 256, 1000, 4099])
 def test_pairwise_sum_is_numpys(n):
     rng = np.random.default_rng(n)
     values = rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)

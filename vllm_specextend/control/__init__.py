@@ -11,5 +11,6 @@ forward runs at all, and what a skipped forward leaves to catch up.
   choice of each request's number of drafts, probing; numpy, with the per-row
   loops compiled by numba: ``choice_kernel.py``, ``plan_kernels.py``);
 - ``speculation_control.py``: the engine's controller with each request's
-  draft-KV frontier (what a resumed request must catch up).
+  draft-KV frontier (what a resumed request must catch up; its per-row work
+  compiled by numba: ``frontier_kernels.py``).
 """

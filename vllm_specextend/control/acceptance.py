@@ -45,24 +45,17 @@ class AcceptanceEstimates:
                           ints(accepted), _NO_FLAGS if probed is None else flags(probed),
                           float(self.smoothing), float(self.probe_smoothing))
 
-    def observe_step(self, slots: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
-                     decoding: np.ndarray, last_context: np.ndarray, verified_drafts: np.ndarray,
-                     verified_probe: np.ndarray, probed: np.ndarray) -> None:
-        """:meth:`observe` for a step of the controller's batch: per slot,
-        ``verified_drafts`` drafts were verified at ``last_context`` (-1:
-        none seen), the context gained since is the accepted ones + 1
-        (``verified_probe``: they were a probe). Then the step's own:
-        ``context_lens``, the drafts its query verifies (``decoding`` rows'
-        ``query_lens - 1``) and whether they were a probe (``probed``)."""
-        _observe_verified(self.rates, self.engine_rates, ints(slots), ints(context_lens),
-                          ints(query_lens), flags(decoding), last_context, verified_drafts,
-                          verified_probe, probed, float(self.smoothing),
-                          float(self.probe_smoothing))
-
     def survival(self, slots: np.ndarray) -> np.ndarray:
         """``[rows, K]``: probability that draft position ``i`` is accepted
         (a view of scratch, valid until the next call)."""
-        return _survival(self.rates, ints(slots), self._survival)
+        return survival_rows(self.rates, ints(slots), self._survival)
+
+    def kernel_args(self) -> tuple:
+        """What a compiled caller of :func:`observe_verified` and
+        :func:`survival_rows` passes: ``(rates, engine rates, smoothing,
+        probe smoothing, survival scratch)``."""
+        return (self.rates, self.engine_rates, float(self.smoothing),
+                float(self.probe_smoothing), self._survival)
 
 
 @njit(cache=True)
@@ -97,9 +90,15 @@ def _observe_outcomes(rates, engine_rates, slots, drafted, accepted, probed, smo
 
 
 @njit(cache=True)
-def _observe_verified(rates, engine_rates, slots, context_lens, query_lens, decoding,
-                      last_context, verified_drafts, verified_probe, probed, smoothing,
-                      probe_smoothing):
+def observe_verified(rates, engine_rates, slots, context_lens, query_lens, decoding,
+                     last_context, verified_drafts, verified_probe, probed, smoothing,
+                     probe_smoothing):
+    """A step of the controller's batch: per slot, ``verified_drafts``
+    drafts were verified at ``last_context`` (-1: none seen), the context
+    gained since is the accepted ones + 1 (``verified_probe``: they were a
+    probe). Then the step's own: ``context_lens``, the drafts its query
+    verifies (``decoding`` rows' ``query_lens - 1``) and whether they were a
+    probe (``probed``)."""
     tried = np.zeros(rates.shape[1], np.int64)
     hits = np.zeros(rates.shape[1])
     probe_beta = max(probe_smoothing, smoothing)
@@ -117,7 +116,7 @@ def _observe_verified(rates, engine_rates, slots, context_lens, query_lens, deco
 
 
 @njit(cache=True)
-def _survival(rates, slots, out):
+def survival_rows(rates, slots, out):
     """``np.cumprod(rates[slots], axis=1)``, into ``out``'s first rows."""
     for row in range(slots.shape[0]):
         product = 1.0
@@ -134,6 +133,6 @@ def warm_up_acceptance() -> None:
     estimates = np.full((1, 1), 0.5), np.full(1, 0.5)
     ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
     _observe_outcomes(*estimates, ints, ints, ints, flags, 0.2, 0.5)
-    _observe_verified(*estimates, ints, ints, ints, flags, ints.copy(), ints.copy(),
+    observe_verified(*estimates, ints, ints, ints, flags, ints.copy(), ints.copy(),
                       flags.copy(), flags, 0.2, 0.5)
-    _survival(estimates[0], ints, np.empty((1, 1)))
+    survival_rows(estimates[0], ints, np.empty((1, 1)))

@@ -31,6 +31,11 @@ def pairwise_sum(values, n):
     functions)."""
     if n <= _PAIRWISE_BLOCK:
         return 0.0 + _block_sum(values, 0, n)
+    half = n // 2
+    half -= half % 8
+    if n - half <= _PAIRWISE_BLOCK:
+        # One split into two blocks (a batch up to 256): no tree to walk.
+        return 0.0 + (_block_sum(values, 0, half) + _block_sum(values, half, n - half))
     # The halves' tree, depth first: per level its start, size, half and
     # the left half's sum once known.
     starts, sizes, halves = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
@@ -211,16 +216,27 @@ def _likeliest(survival, column):
 
 
 @njit(cache=True)
-def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token, resume,
-                   resumes, must, has_must, uniform_length, piecewise_cost):
+def _any(values):
+    """``values.any()`` (NaN counts, as numpy's)."""
+    for value in values:
+        if value != 0:
+            return True
+    return False
+
+
+@njit(cache=True)
+def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token, resume, must,
+                   uniform_length, piecewise_cost):
     """``(draft lengths, draft steps, expected goodput)`` of the best plan
     over every number of draft steps ``D`` allowed (``draft_steps``; empty:
-    all; none but 0 with ``has_must``: draft steps -1). ``fixed[D]``: the
-    step's seconds before its tokens; ``uniform_length`` (-1: none): the
-    drafts per row that keep the step in the FULL graphs. (Long as the
-    whole pick in one pass: solve each ``D``, weigh its plans, keep the
-    best.)"""
+    all; none but 0 when a row ``must`` draft: draft steps -1). ``fixed[D]``:
+    the step's seconds before its tokens; ``resume``: per row, what drafting
+    at all adds to them (empty or all 0: nothing); ``uniform_length`` (-1:
+    none): the drafts per row that keep the step in the FULL graphs. (Long
+    as the whole pick in one pass: solve each ``D``, weigh its plans, keep
+    the best.)"""
     rows, max_k = survival.shape
+    resumes, has_must = _any(resume), _any(must)
     scale = np.empty(rows)
     for row in range(rows):
         scale[row] = (1.0 - hysteresis) if drafting[row] else (1.0 + hysteresis)
@@ -268,5 +284,5 @@ def warm_up_choice() -> None:
     """Compile (or load) the choice for the argument types the controller
     passes, so that no step waits for it."""
     choose_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), 0.1, np.ones(2),
-                   np.zeros(0, dtype=bool), np.float64(1.0), np.zeros(1), False,
-                   np.zeros(1, dtype=bool), False, -1, 0.0)
+                   np.zeros(0, dtype=bool), np.float64(1.0), np.zeros(1),
+                   np.zeros(1, dtype=bool), -1, 0.0)

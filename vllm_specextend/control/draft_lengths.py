@@ -84,18 +84,16 @@ def choose_draft_lengths(
     hands the choice to the kernel.)
     """
     rows, max_k = survival.shape
-    must = must_draft is not None and bool(must_draft.any())
     graphs = uniform_draft_length is not None and cost.piecewise_step
     # Only a batch of decode rows can be a FULL graph's.
     uniform = (uniform_draft_length if (graphs and other_tokens == 0 and rows == num_requests)
                else -1)
-    resumes = resume_seconds is not None and bool(resume_seconds.any())
     lengths, steps, goodput = choose_lengths(
         floats(survival), flags(drafting), float(hysteresis),
         _fixed_seconds(cost, num_requests + other_tokens, max_k, free_pause, graphs),
         _NO_FLAGS if draft_steps is None else flags(draft_steps), np.float64(cost.weights[1]),
-        floats(resume_seconds) if resumes else _NO_SECONDS,
-        resumes, flags(must_draft) if must else _NO_FLAGS, must, int(uniform),
+        _NO_SECONDS if resume_seconds is None else floats(resume_seconds),
+        _NO_FLAGS if must_draft is None else flags(must_draft), int(uniform),
         float(cost.piecewise_cost))
     assert steps >= 0, "no number of draft steps to choose from"
     return DraftPlan(lengths, steps, goodput)

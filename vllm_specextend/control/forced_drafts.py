@@ -9,50 +9,54 @@ only to keep the controller's module short.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES
 from vllm_specextend.control.draft_lengths import DraftPlan
+from vllm_specextend.control.kernel_args import flags, floats, ints
+from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, forced_rows
+
+__all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]
 
 WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
-UNLIMITED = np.iinfo(np.int64).max
+_NO_INTS = np.zeros(0, dtype=np.int64)
+_NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 class ForcedDrafts:
     """The :class:`GoodputController` methods that price and plan forced
     drafts and catch-up."""
 
-    def _probe_budgets(self, paused_steps: np.ndarray, num_requests: int,
-                       paused_step: float) -> np.ndarray:
-        """``[rows]``: seconds each request's next forced drafts (a probe, an
+    def _forced_rows(self, slots: np.ndarray, decoding: np.ndarray, paused_step: float,
+                     gaps: np.ndarray | None, whole: np.ndarray | None) -> tuple:
+        """Per row (:func:`~vllm_specextend.control.plan_kernels.forced_rows`):
+        ``(budgets, least, probing, resume)``, views of the row scratch.
+
+        A row's budget is the seconds its next forced drafts (a probe, an
         exploration) may cost: ``probe_budget`` of its share of the steps it
         paused in since it last drafted (``paused_step``: this batch's
-        predicted step without drafts)."""
-        return (self.parameters.probe_budget * paused_step / num_requests
-                * paused_steps.astype(np.float64))
-
-    def _resume_seconds(self, slots: np.ndarray, gaps: np.ndarray | None,
-                        probing: np.ndarray) -> np.ndarray | None:
-        """``[rows]``: what drafting on its estimates adds to a row's step:
-        catching up its gap, once, spread over as many steps as the request
-        has decoded (at least a probe interval; it is expected to run about
-        as long again). A probe's catch-up is its budget's."""
-        if gaps is None:
-            return None
-        decoded = self._drafted_steps[slots] + self._paused_decode_steps[slots]
-        horizon = np.maximum(decoded, self.parameters.probe_interval)
-        return np.where(probing, 0.0, gaps * self._catch_up_seconds() / horizon)
-
-    def _forced_draft_seconds(self, draft_lengths: np.ndarray | int,
-                              num_requests: int) -> np.ndarray:
-        """What a row's forced drafts add to a step, catch-up aside: their
-        verification and the row's share of the draft forwards."""
-        weights = self.cost.weights
-        per_steps = weights[NUM_LINEAR_FEATURES:NUM_LINEAR_FEATURES + self.num_speculative_tokens]
-        forwards = np.maximum(np.concatenate(([0.0], per_steps)), 0.0)
-        return draft_lengths * weights[1] + forwards[draft_lengths] / num_requests
+        predicted step without drafts). It catches up ``least`` tokens at
+        least (``min_probe_catch_up``; all of its gap where it must catch up
+        a whole gap (``whole``), then no budget until a catch-up was timed).
+        It probes when decoding, its paused plans reach its back-off (or the
+        probe interval) and the budget covers a draft and ``least``. Its
+        resume seconds (None without ``gaps``): what drafting on its
+        estimates adds to its step, catching up its gap once, spread over
+        as many steps as the request has decoded (at least a probe interval;
+        it is expected to run about as long again); a probe's catch-up is
+        its budget's."""
+        p = self.parameters
+        rows = len(slots)
+        whole = _NO_FLAGS if whole is None or gaps is None else flags(whole)
+        forced_rows(
+            slots, decoding, _NO_INTS if gaps is None else ints(gaps), whole,
+            (self._paused_steps, self._probe_after, self._drafted_steps,
+             self._paused_decode_steps),
+            p.probe_budget * paused_step / rows, p.min_probe_catch_up, self._catch_up_timed,
+            p.probe_interval, floats(self.cost.weights), self._forced_catch_up_seconds(),
+            self._catch_up_seconds(), self._row_flags, self._row_ints, self._row_seconds)
+        budgets, resume = self._row_seconds[:, :rows]
+        return (budgets, self._row_ints[0, :rows], self._row_flags[3, :rows],
+                None if gaps is None else resume)
 
     def _catch_up_seconds(self) -> float:
         """Seconds per caught-up token: learnt once a catch-up was timed, at
@@ -76,28 +80,8 @@ class ForcedDrafts:
                     least: np.ndarray) -> np.ndarray:
         """``[rows]``: the budget covers ``draft_steps`` forced drafts and
         the least catch-up (``least`` tokens)."""
-        return budgets >= (self._forced_draft_seconds(draft_steps, num_requests)
-                           + self._forced_catch_up_seconds() * least)
-
-    def _limit_catch_up(self, plan: DraftPlan, forced: np.ndarray, budgets: np.ndarray,
-                        num_requests: int, least: np.ndarray) -> DraftPlan:
-        """Catch-up limits: a row drafting on its estimates catches up all of
-        its gap, a paused row none, a row drafting by force (probe, warm-up,
-        exploration) what its budget buys beyond its drafts, and at least
-        ``least`` (only that until a catch-up was timed)."""
-        lengths = plan.draft_lengths
-        limits = np.where(lengths > 0, UNLIMITED, 0)
-        forced = forced & (lengths > 0)
-        per_catch_up = self._forced_catch_up_seconds()
-        if forced.any() and not self._catch_up_timed:
-            limits = np.where(forced, least, limits)
-        elif forced.any() and per_catch_up > 0:
-            left = budgets - self._forced_draft_seconds(lengths, num_requests)
-            affordable = np.floor(np.maximum(left, 0.0) / per_catch_up)
-            allowance = np.maximum(np.minimum(affordable, UNLIMITED // 2).astype(np.int64),
-                                   least)
-            limits = np.where(forced, allowance, limits)
-        return replace(plan, catch_up_limits=limits)
+        return affordable(budgets, least, floats(self.cost.weights), draft_steps,
+                          num_requests, self._forced_catch_up_seconds())
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  num_requests: int, least: np.ndarray) -> DraftPlan:

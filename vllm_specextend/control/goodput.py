@@ -39,14 +39,20 @@ from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
-from vllm_specextend.control.kernel_args import flags, ints
+from vllm_specextend.control.kernel_args import floats, ints
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
     ControlParameters,
     StepOutcome,
 )
-from vllm_specextend.control.plan_kernels import note_plan, warm_up_plan_kernels
+from vllm_specextend.control.plan_kernels import (
+    paused_fractions,
+    settle_plan,
+    start_requests,
+    step_rows,
+    warm_up_plan_kernels,
+)
 from vllm_specextend.core.request_slots import RequestSlots
 
 __all__ = [
@@ -119,6 +125,14 @@ class GoodputController(ForcedDrafts):
         """Decode steps each request drafted in (its metrics)."""
         self._paused_decode_steps = np.zeros(max_requests, dtype=np.int64)
         """Decode steps it did not draft in."""
+        # Per row of a plan (its first rows), scratch:
+        self._row_flags = np.zeros((4, max_requests), dtype=bool)
+        """Verifying drafts, decoding after the step, drafted at the
+        previous plan, probing."""
+        self._row_ints = np.zeros((3, max_requests), dtype=np.int64)
+        """Least catch-up, paused plans, probe back-off."""
+        self._row_seconds = np.zeros((2, max_requests))
+        """Forced-draft budget, resume seconds."""
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would
@@ -147,16 +161,11 @@ class GoodputController(ForcedDrafts):
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
         """New requests start from the engine's acceptance estimates and the
         latest probe back-off."""
-        self._context_len[new] = -1
-        self._verified_drafts[new] = 0
-        self._drafted[new] = -1
-        self._probed[new] = False
-        self._verified_probe[new] = False
-        self._paused_steps[new] = 0
-        self._probe_after[new] = self._arrival_probe_after
-        self._drafted_steps[new] = 0
-        self._paused_decode_steps[new] = 0
-        self.acceptance.rates[new] = self.acceptance.engine_rates
+        start_requests(new, self._arrival_probe_after, self._context_len,
+                       self._verified_drafts, self._drafted, self._probed,
+                       self._verified_probe, self._paused_steps, self._probe_after,
+                       self._drafted_steps, self._paused_decode_steps, self.acceptance.rates,
+                       self.acceptance.engine_rates)
 
     def observe(self, outcome: StepOutcome) -> None:
         """What the engine did with the last plan (its cost is learnt at the
@@ -190,44 +199,32 @@ class GoodputController(ForcedDrafts):
         p = self.parameters
         slots = self.admit(req_ids)
         num_requests = len(req_ids)
-        seq_lens = context_lens + query_lens
-        prompting = context_lens < prompt_lens
-        prefilling = bool(prompting.any())
+        context_lens, query_lens = ints(context_lens), ints(query_lens)
+        graph = self.full_graph_query_len
+        estimates = self.acceptance.kernel_args()
+        # Rows still prefilling after this step get no drafts (vLLM drops them).
+        tokens, other_tokens, prefilling, uniform = step_rows(
+            slots, context_lens, query_lens, ints(prompt_lens), -1 if graph is None else graph,
+            self._drafted, estimates, (
+                self._context_len, self._verified_drafts, self._verified_probe, self._probed),
+            self._row_flags)
+        verifying, decoding, drafting = self._row_flags[:3, :num_requests]
+        survival = estimates[-1][:num_requests]
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
-            self._observe_cost(int(query_lens.sum()), now, self._piecewise(query_lens))
+            self._observe_cost(tokens, now, graph is not None and not uniform)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
-        self._observe_acceptance(slots, context_lens, query_lens, ~prompting)
-        # Rows still prefilling after this step get no drafts (vLLM drops them).
-        decoding = seq_lens >= prompt_lens
-        drafting = self._drafted[slots] > 0
-        other_tokens = int(query_lens[~decoding].sum())
         paused_step = max(float(self.cost.predict(self.cost.features(
             num_requests + other_tokens, 0, piecewise=True))), 0.0)
-        paused_steps = self._paused_steps[slots]
-        budgets = self._probe_budgets(paused_steps, num_requests, paused_step)
-        least = np.full(num_requests, p.min_probe_catch_up, dtype=np.int64)
-        if whole_catch_up is not None and catch_up_gaps is not None:
-            least = np.where(whole_catch_up, np.maximum(catch_up_gaps, least), least)
-            if not self._catch_up_timed:
-                # Its price unknown, a whole gap is not risked on a probe.
-                budgets = np.where(whole_catch_up, 0.0, budgets)
-        probe_after = self._probe_after[slots]
-        due = paused_steps >= np.where(probe_after != 0, probe_after, p.probe_interval)
-        probing = decoding & due
-        if probing.any():
-            probing &= self._affordable(budgets, 1, num_requests, least)
-        survival = self.acceptance.survival(slots)
-        survival[~decoding] = 0.0
-        resume = self._resume_seconds(slots, catch_up_gaps, probing)
+        budgets, least, probing, resume = self._forced_rows(
+            slots, decoding, paused_step, catch_up_gaps, whole_catch_up)
         plan = choose_draft_lengths(
             survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
             free_pause=self.free_pause, hysteresis=p.hysteresis, must_draft=probing,
             resume_seconds=resume,
-            uniform_draft_length=(None if self.full_graph_query_len is None
-                                  else self.full_graph_query_len - 1),
+            uniform_draft_length=None if graph is None else graph - 1,
         )
         chosen = plan.draft_lengths
         plan = self._explore(plan, decoding, budgets, num_requests, least)
@@ -235,23 +232,28 @@ class GoodputController(ForcedDrafts):
             self._prompt_budget += p.probe_budget * paused_step
             if prefilling:
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
-                    survival, drafting, resume, prompting, query_lens, num_requests))
-        plan = self._limit_catch_up(plan, probing | (chosen == 0), budgets, num_requests,
-                                    least)
-        self._note_plan(slots, plan.draft_lengths, probing, decoding, chosen, paused_steps,
-                        probe_after)
+                    survival, drafting, resume, ~verifying, query_lens, num_requests))
+        plan = self._note_plan(slots, plan, chosen)
         self._plans += 1
         return plan
 
-    def _note_plan(self, slots, lengths, probing, decoding, chosen, paused_steps,
-                   probe_after) -> None:
-        """Each request's state after this plan, and the engine's counts
-        (:func:`~vllm_specextend.control.plan_kernels.note_plan`)."""
+    def _note_plan(self, slots: np.ndarray, plan: DraftPlan, chosen: np.ndarray) -> DraftPlan:
+        """The plan with its catch-up limits; each request's state after it,
+        and the engine's counts
+        (:func:`~vllm_specextend.control.plan_kernels.settle_plan`).
+
+        Catch-up limits: a row drafting on its estimates catches up all of
+        its gap, a paused row none, a row drafting by force (probing, none
+        chosen: warm-up, exploration) what its budget buys beyond its
+        drafts, and at least its least catch-up (only that until a catch-up
+        was timed)."""
         p = self.parameters
-        probes, arrival, changed, drafted, paused = note_plan(
-            slots, ints(lengths), flags(probing), flags(decoding), ints(chosen),
-            paused_steps, probe_after, self._drafted, self._probed, self._paused_steps,
-            self._probe_after, self._drafted_steps, self._paused_decode_steps,
+        limits, (probes, arrival, changed, drafted, paused) = settle_plan(
+            slots, ints(plan.draft_lengths), ints(chosen), self._row_flags, self._row_ints,
+            self._row_seconds, floats(self.cost.weights), self._catch_up_timed,
+            self._forced_catch_up_seconds(), (
+                self._drafted, self._probed, self._paused_steps, self._probe_after,
+                self._drafted_steps, self._paused_decode_steps),
             self.stats.chosen_lengths, p.probe_interval, p.max_probe_backoff)
         if changed:
             # Requests arriving after a failed probe wait as long.
@@ -259,6 +261,8 @@ class GoodputController(ForcedDrafts):
         self.stats.probes += probes
         self.stats.drafted_request_steps += drafted
         self.stats.paused_request_steps += paused
+        return DraftPlan(plan.draft_lengths, plan.draft_steps, plan.expected_goodput, limits,
+                         plan.draft_prefill)
 
     def finish(self, req_ids: list[str]) -> None:
         """Requests that left the batch (finished or aborted): their slots
@@ -267,11 +271,9 @@ class GoodputController(ForcedDrafts):
 
     def _finish(self, req_ids: list[str], freed: np.ndarray) -> None:
         """Keep the paused share of requests that left, for the metrics."""
-        paused = self._paused_decode_steps[freed]
-        decode_steps = self._drafted_steps[freed] + paused
         stats = self.stats
-        stats.finished_paused_fractions += [
-            int(q) / int(d) for q, d in zip(paused.tolist(), decode_steps.tolist()) if d]
+        stats.finished_paused_fractions += paused_fractions(
+            freed, self._drafted_steps, self._paused_decode_steps).tolist()
         if len(stats.finished_paused_fractions) > FOLD_AT:
             stats.fold()
 
@@ -286,11 +288,6 @@ class GoodputController(ForcedDrafts):
                 for req_id, slot in self.requests.items()}
 
     # ---- internals -------------------------------------------------------
-
-    def _piecewise(self, query_lens: np.ndarray) -> bool:
-        """Whether a decode step of ``query_lens`` left the FULL CUDA graphs."""
-        graph = self.full_graph_query_len
-        return graph is not None and not bool((query_lens == graph).all())
 
     def _observe_cost(self, verified: int, now: float, piecewise: bool = False) -> None:
         last = self._last_time
@@ -312,13 +309,6 @@ class GoodputController(ForcedDrafts):
                 seconds = min(seconds, self.parameters.slow_step_clip * predicted)
         self.cost.observe(features, seconds)
         self._catch_up_timed |= self._last_catch_up_tokens > 0
-
-    def _observe_acceptance(self, slots, context_lens, query_lens, decoding) -> None:
-        """The previous step verified ``verified_drafts`` drafts of each
-        request; the context gained since is the accepted ones + 1."""
-        self.acceptance.observe_step(slots, context_lens, query_lens, decoding,
-                                     self._context_len, self._verified_drafts,
-                                     self._verified_probe, self._probed)
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:

@@ -1,7 +1,8 @@
 """Arrays as the compiled kernels take them (``choice_kernel.py``,
-``acceptance.py``, ``plan_kernels.py``): contiguous, of one dtype each, so
-numba compiles each kernel once and never mid-serving (an int32 or a strided
-array would be a new signature). No copy when already so."""
+``acceptance.py``, ``plan_kernels.py``, ``frontier_kernels.py``): contiguous,
+of one dtype each, so numba compiles each kernel once and never mid-serving
+(an int32 or a strided array would be a new signature). No copy when
+already so."""
 
 from __future__ import annotations
 

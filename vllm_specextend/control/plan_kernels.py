@@ -1,10 +1,151 @@
-"""The controller's per-row bookkeeping after a plan, compiled with numba
-(see ``choice_kernel.py``): a few integer updates per row, one call."""
+"""The controller's per-row work around the K choice, compiled with numba
+(see ``choice_kernel.py``): before it, the step's rows (what they verify,
+decode, may spend on forced drafts, pay to resume); after it, the catch-up
+limits and each request's bookkeeping; and the per-slot state of requests
+that arrive or leave. One call each, bit for bit the numpy reference (same
+operations in the same order per row; no sums of floats).
+
+Per-slot state arrays are :class:`GoodputController`'s, updated in place.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from vllm_specextend.control.acceptance import observe_verified, survival_rows
+from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES
+
+UNLIMITED = np.iinfo(np.int64).max
+"""A catch-up limit that is none."""
+_MOST_AFFORDABLE = float(UNLIMITED // 2)
+_INT64_MIN = np.iinfo(np.int64).min
+
+
+@njit(cache=True)
+def step_rows(slots, context_lens, query_lens, prompt_lens, graph_query_len, drafted,
+              estimates, verification, row_flags):
+    """The step's rows, and what the step just verified shows. Per row (in
+    ``row_flags[:3]``): whether its query verifies drafts (its prompt was in
+    before), whether it decodes after this step, whether it drafted at the
+    previous plan. The acceptance ``estimates`` (``AcceptanceEstimates.
+    kernel_args``) learn from the drafts verified (``verification``: the
+    controller's per-slot ``(context, verified drafts, verified probe,
+    probed)``, see :func:`~vllm_specextend.control.acceptance.observe_verified`),
+    then give each row's survival into their scratch (0 for rows not
+    decoding). Returns the step's tokens, those of rows not decoding,
+    whether a row has prompt tokens in this step, and whether every query
+    is ``graph_query_len`` long."""
+    rows = slots.shape[0]
+    verifying, decoding, drafting = row_flags[0], row_flags[1], row_flags[2]
+    tokens, other, prefilling, uniform = 0, 0, False, True
+    for row in range(rows):
+        context, query = context_lens[row], query_lens[row]
+        verifying[row] = context >= prompt_lens[row]
+        decoding[row] = context + query >= prompt_lens[row]
+        drafting[row] = drafted[slots[row]] > 0
+        tokens += query
+        other += 0 if decoding[row] else query
+        prefilling |= not verifying[row]
+        uniform &= query == graph_query_len
+    rates, engine_rates, smoothing, probe_smoothing, survival = estimates
+    last_context, verified_drafts, verified_probe, probed = verification
+    observe_verified(rates, engine_rates, slots, context_lens, query_lens, verifying[:rows],
+                     last_context, verified_drafts, verified_probe, probed, smoothing,
+                     probe_smoothing)
+    survival_rows(rates, slots, survival)
+    for row in range(rows):
+        if not decoding[row]:
+            survival[row, :] = 0.0
+    return tokens, other, prefilling, uniform
+
+
+@njit(cache=True)
+def _clip_at_zero(value):
+    """``np.maximum(value, 0.0)`` (NaN stays NaN)."""
+    return value if (value >= 0.0 or value != value) else 0.0
+
+
+@njit(cache=True)
+def forced_seconds(weights, draft_steps, num_requests):
+    """What a row's ``draft_steps`` forced drafts add to a step, catch-up
+    aside: their verification and the row's share of the draft forwards."""
+    forwards = 0.0
+    if draft_steps:
+        forwards = _clip_at_zero(weights[NUM_LINEAR_FEATURES + draft_steps - 1])
+    return draft_steps * weights[1] + forwards / num_requests
+
+
+@njit(cache=True)
+def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up):
+    """``[rows]``: the budget covers ``draft_steps`` forced drafts and the
+    least catch-up (``least`` tokens at ``per_catch_up`` seconds)."""
+    price = forced_seconds(weights, draft_steps, num_requests)
+    covered = np.empty(budgets.shape[0], np.bool_)
+    for row in range(budgets.shape[0]):
+        covered[row] = budgets[row] >= price + per_catch_up * least[row]
+    return covered
+
+
+@njit(cache=True)
+def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min_catch_up,
+                timed, probe_interval, weights, per_forced_token, per_token, row_flags,
+                row_ints, row_seconds):
+    """Per row, what forced drafts may do (see ``GoodputController.
+    _forced_rows``): whether it probes (``row_flags[3]``), its least
+    catch-up, paused plans and probe back-off (``row_ints``), its budget and
+    resume seconds (``row_seconds``). ``state``: the controller's per-slot
+    ``(paused plans, probe back-off, drafted steps, paused decode steps)``;
+    ``gaps``, ``whole``: empty when not given (then no resume seconds)."""
+    paused_state, probe_after_state, drafted_steps, paused_decode_steps = state
+    probing, least, paused, probe_after = row_flags[3], row_ints[0], row_ints[1], row_ints[2]
+    budgets, resume = row_seconds[0], row_seconds[1]
+    rows = slots.shape[0]
+    probe_price = forced_seconds(weights, 1, rows)
+    for row in range(rows):
+        slot = slots[row]
+        paused[row], probe_after[row] = paused_state[slot], probe_after_state[slot]
+        budgets[row] = budget_per_paused_step * paused[row]
+        least[row] = min_catch_up
+        if whole.shape[0] and whole[row]:
+            least[row] = max(gaps[row], min_catch_up)
+            if not timed:
+                budgets[row] = 0.0  # its price unknown, a whole gap is not risked
+        due = paused[row] >= (probe_after[row] if probe_after[row] != 0 else probe_interval)
+        probing[row] = decoding[row] and due and (
+            budgets[row] >= probe_price + per_forced_token * least[row])
+        resume[row] = 0.0
+        if gaps.shape[0] and not probing[row]:
+            horizon = max(drafted_steps[slot] + paused_decode_steps[slot], probe_interval)
+            resume[row] = gaps[row] * per_token / horizon
+
+
+@njit(cache=True)
+def catch_up_limits(lengths, probing, chosen, budgets, least, weights, timed, per_catch_up):
+    """Per row, the most tokens of its gap it catches up: all when drafting
+    on its estimates, none when paused, and for forced drafts (probing, or
+    none chosen) what its budget buys beyond them at ``per_catch_up`` (0:
+    unpriced), at least ``least`` (only that until a catch-up was timed)."""
+    rows = lengths.shape[0]
+    limits = np.empty(rows, np.int64)
+    forced = np.empty(rows, np.bool_)
+    some = False
+    for row in range(rows):
+        limits[row] = UNLIMITED if lengths[row] > 0 else 0
+        forced[row] = (probing[row] or chosen[row] == 0) and lengths[row] > 0
+        some |= forced[row]
+    if not some or (timed and not per_catch_up > 0):
+        return limits
+    for row in range(rows):
+        if forced[row] and not timed:
+            limits[row] = least[row]
+        elif forced[row]:
+            left = budgets[row] - forced_seconds(weights, lengths[row], rows)
+            bought = np.floor(_clip_at_zero(left) / per_catch_up)
+            if not (bought <= _MOST_AFFORDABLE or bought != bought):
+                bought = _MOST_AFFORDABLE
+            limits[row] = max(_INT64_MIN if bought != bought else np.int64(bought), least[row])
+    return limits
 
 
 @njit(cache=True)
@@ -46,8 +187,68 @@ def note_plan(slots, lengths, probing, decoding, chosen, paused_steps, probe_aft
     return probes, arrival, changed, drafted_rows, paused_rows
 
 
+@njit(cache=True)
+def start_requests(new, arrival_probe_after, context_len, verified_drafts, drafted, probed,
+                   verified_probe, paused_steps, probe_after, drafted_steps,
+                   paused_decode_steps, rates, engine_rates):
+    """New requests' state: nothing seen or planned, the arrival probe
+    back-off, the engine's acceptance estimates."""
+    for slot in new:
+        context_len[slot], verified_drafts[slot], drafted[slot] = -1, 0, -1
+        probed[slot], verified_probe[slot] = False, False
+        paused_steps[slot], probe_after[slot] = 0, arrival_probe_after
+        drafted_steps[slot], paused_decode_steps[slot] = 0, 0
+        rates[slot, :] = engine_rates
+
+
+@njit(cache=True)
+def paused_fractions(freed, drafted_steps, paused_decode_steps):
+    """The share of its decode steps each request that left paused in (those
+    with decode steps)."""
+    fractions = np.empty(freed.shape[0])
+    count = 0
+    for slot in freed:
+        decode_steps = drafted_steps[slot] + paused_decode_steps[slot]
+        if decode_steps:
+            fractions[count] = paused_decode_steps[slot] / decode_steps
+            count += 1
+    return fractions[:count]
+
+
+@njit(cache=True)
+def settle_plan(slots, lengths, chosen, row_flags, row_ints, row_seconds, weights, timed,
+                per_catch_up, state, histogram, probe_interval, max_backoff):
+    """:func:`catch_up_limits` and :func:`note_plan` of a plan of ``lengths``
+    (``chosen`` on estimates) in one call, from :func:`forced_rows`'s rows;
+    ``state``: the controller's per-slot ``(drafts planned, probed, paused
+    plans, probe back-off, drafted steps, paused decode steps)``. Returns
+    the limits and :func:`note_plan`'s counts."""
+    rows = slots.shape[0]
+    probing, decoding = row_flags[3, :rows], row_flags[1, :rows]
+    least, paused, probe_after = row_ints[0, :rows], row_ints[1, :rows], row_ints[2, :rows]
+    limits = catch_up_limits(lengths, probing, chosen, row_seconds[0, :rows], least, weights,
+                             timed, per_catch_up)
+    drafted, probed, paused_state, probe_after_state, drafted_steps, paused_decode_steps = state
+    counts = note_plan(slots, lengths, probing, decoding, chosen, paused, probe_after, drafted,
+                       probed, paused_state, probe_after_state, drafted_steps,
+                       paused_decode_steps, histogram, probe_interval, max_backoff)
+    return limits, counts
+
+
 def warm_up_plan_kernels() -> None:
     """Compile (or load) the kernels for the argument types used."""
-    ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
-    note_plan(ints, ints, flags, flags, ints, ints, ints, ints.copy(), flags.copy(), ints.copy(),
-              ints.copy(), ints.copy(), ints.copy(), np.zeros(2, dtype=np.int64), 16, 8)
+    ints, flags, floats = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool), np.zeros(1)
+    weights = np.zeros(NUM_LINEAR_FEATURES + 1)
+    row_flags, row_ints, row_seconds = (np.zeros((4, 1), dtype=bool),
+                                        np.zeros((3, 1), dtype=np.int64), np.zeros((2, 1)))
+    step_rows(ints, ints, ints, ints, -1, ints, (np.zeros((1, 1)), floats, 0.2, 0.5,
+              np.zeros((1, 1))), (ints.copy(), ints.copy(), flags.copy(), flags), row_flags)
+    affordable(floats, ints, weights, 1, 1, 0.0)
+    forced_rows(ints, flags, ints, flags, (ints, ints, ints, ints), 0.0, 8, False, 16, weights,
+                0.0, 0.0, row_flags, row_ints, row_seconds)
+    settle_plan(ints, ints, ints, row_flags, row_ints, row_seconds, weights, False, 0.0,
+                (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy()),
+                np.zeros(2, dtype=np.int64), 16, 8)
+    start_requests(ints, 0, ints.copy(), ints.copy(), ints.copy(), flags.copy(), flags.copy(),
+                   ints.copy(), ints.copy(), ints.copy(), ints.copy(), np.zeros((1, 1)), floats)
+    paused_fractions(ints, ints, ints)

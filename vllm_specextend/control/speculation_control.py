@@ -34,7 +34,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_specextend.control.frontier_kernels import (
+    advance_frontiers,
+    block_ranges,
+    catch_up_rows,
+    filled_blocks,
+    forget,
+    keep_lagging_blocks,
+    new_rows,
+    warm_up_frontier_kernels,
+)
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
+from vllm_specextend.control.kernel_args import ints
 from vllm_specextend.core.request_slots import RequestSlots
 
 
@@ -93,6 +104,7 @@ class SpeculationControl:
         self.defer_prompts = defer_prompts and free_pause
         self.synced_lead = synced_lead
         self.max_catch_up = max_catch_up
+        warm_up_frontier_kernels()
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
         self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause,
@@ -141,24 +153,23 @@ class SpeculationControl:
         """This step's plan and whether the draft's forward runs
         (``block_table``: the rows' KV block ids on the host, to keep prefix
         cache hits on blocks without the draft's KV right; None: not kept)."""
-        self._blocks = None if block_table is None else (block_table, block_size)
+        self._blocks = None if block_table is None else (_table(block_table), block_size)
         slots = self.controller.admit(req_ids)
         now = self.clock()
-        self._advance_frontiers(slots, context_lens)
-        prefilling_rows = context_lens < prompt_lens
-        starts = self._frontier[slots]
-        gaps = self._capped(np.maximum(context_lens - starts, 0))
+        context_lens, query_lens = ints(context_lens), ints(query_lens)
+        starts, gaps, whole, prefilling = self._advance_frontiers(slots, context_lens,
+                                                                  ints(prompt_lens))
         plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
-                                    catch_up_gaps=gaps, whole_catch_up=self._deferred[slots])
+                                    catch_up_gaps=gaps, whole_catch_up=whole)
         self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
         self._limits = (None if plan.catch_up_limits is None
                         else (list(req_ids), plan.catch_up_limits))
-        prefilling = bool(prefilling_rows.any())
         runs = not (self.free_pause and plan.draft_steps == 0 and not (
             prefilling and (plan.draft_prefill or not self.defer_prompts)))
         deferred_tokens = 0
         if prefilling and not runs:
             # A caught-up request would not draft now: its prompt waits.
+            prefilling_rows = context_lens < prompt_lens
             self._deferred[slots[prefilling_rows]] = True
             deferred_tokens = int(query_lens[prefilling_rows].sum())
         self.controller.observe(StepOutcome(
@@ -168,55 +179,50 @@ class SpeculationControl:
         if runs:
             self._synced[slots] = True
         if self._blocks is not None:
-            seq_lens = context_lens + query_lens
-            behind = starts < seq_lens
-            if runs:
-                limits = plan.catch_up_limits
-                behind &= False if limits is None else limits < gaps
-            self._keep_lagging_blocks(slots, seq_lens, behind)
+            self._keep_lagging_blocks(slots, starts, context_lens + query_lens, runs,
+                                      plan.catch_up_limits, gaps)
         return plan, runs
 
     def _forget(self, left: list[str], slots: np.ndarray) -> None:
         """Requests that left the batch: the blocks of one that left behind
         its frontier turn stale."""
-        for slot in slots[self._lagging[slots] & ~self._synced[slots]].tolist():
-            self._stale_blocks.update(
-                self._lag_table[slot, self._lag_start[slot]:self._lag_end[slot]].tolist())
-        self._frontier[slots] = -1
-        self._synced[slots] = self._deferred[slots] = self._lagging[slots] = False
+        stale = forget(slots, self._frontier, self._synced, self._deferred, self._lagging,
+                       self._lag_table, self._lag_start, self._lag_end)
+        if stale.size:
+            self._stale_blocks.update(stale.tolist())
 
-    def _advance_frontiers(self, slots: np.ndarray, context_lens: np.ndarray) -> None:
+    def _advance_frontiers(self, slots: np.ndarray, context_lens: np.ndarray,
+                           prompt_lens: np.ndarray) -> tuple:
         """Each request's draft KV frontier after the last step; blocks the
-        last forward filled leave the stale set, its holes join it."""
-        frontier = self._frontier[slots]
-        synced = self._synced[slots]
-        synced_to = context_lens + self.synced_lead
-        new = ~synced & (frontier < 0)
+        last forward filled leave the stale set, its holes join it. Returns
+        per row its frontier, its gap (the verified tokens its draft KV
+        lacks, for a head at most the positions kept) and whether its
+        prompt was deferred, and whether a row is prefilling."""
+        new = new_rows(slots, self._frontier, self._synced)
+        new_starts = np.empty(len(new), dtype=np.int64)
         if self._stale_blocks and self._blocks is not None:
             # The last forward wrote the verified tokens (and, for a draft
             # model, the token at ``context_len``): in row order, as a new
             # request's first stale block is looked up among them.
             table, size = self._blocks
-            filled = synced & (frontier >= 0)
             start = 0
-            for row in [*np.flatnonzero(new).tolist(), len(slots)]:
-                rows = slice(start, row)
-                self._stale_blocks.difference_update(_block_ranges(
-                    table[rows], frontier[rows] // size, synced_to[rows] // size,
-                    filled[rows]).tolist())
+            for i, row in enumerate([*new.tolist(), len(slots)]):
+                self._stale_blocks.difference_update(filled_blocks(
+                    table, slots, context_lens, self._frontier, self._synced,
+                    self.synced_lead, size, start, row).tolist())
                 if row < len(slots):
-                    frontier[row] = self._first_stale(row, int(context_lens[row]))
+                    new_starts[i] = self._first_stale(row, int(context_lens[row]))
                 start = row
-        elif new.any():
-            for row in np.flatnonzero(new).tolist():
-                frontier[row] = self._first_stale(row, int(context_lens[row]))
-        # Preempted and recomputed from an earlier point.
-        recomputed = ~synced & ~new & (synced_to < frontier)
-        frontier = np.where(synced, synced_to, np.where(recomputed, context_lens, frontier))
-        self._frontier[slots] = frontier
-        self._deferred[slots[synced]] = False
+        else:
+            for i, row in enumerate(new.tolist()):
+                new_starts[i] = self._first_stale(row, int(context_lens[row]))
+        frontiers = advance_frontiers(
+            slots, context_lens, prompt_lens, self.synced_lead, new_starts,
+            -1 if self.max_catch_up is None else self.max_catch_up,
+            self._frontier, self._synced, self._deferred)
         self._stale_blocks.update(self._holes)
         self._holes = []
+        return frontiers
 
     def _first_stale(self, row: int, context_len: int) -> int:
         """New: its draft KV is right up to ``context_len``, or up to the
@@ -229,27 +235,25 @@ class SpeculationControl:
             return context_len
         table, size = self._blocks
         stale = np.fromiter(self._stale_blocks, dtype=np.int64)
-        live = _block_ranges(self._lag_table[lagging], self._lag_start[lagging],
-                             self._lag_end[lagging])
+        live = block_ranges(self._lag_table, lagging, self._lag_start[lagging],
+                            self._lag_end[lagging])
         hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)],
                                       np.concatenate([stale, live])))
         return int(hits[0]) * size if hits.size else context_len
 
-    def _keep_lagging_blocks(self, slots: np.ndarray, seq_lens: np.ndarray,
-                             behind: np.ndarray) -> None:
-        """Per request left ``behind`` its frontier by this step: its blocks
-        from the frontier's on (the others' are written by this step)."""
+    def _keep_lagging_blocks(self, slots: np.ndarray, starts: np.ndarray,
+                             seq_lens: np.ndarray, runs: bool, limits: np.ndarray | None,
+                             gaps: np.ndarray) -> None:
+        """Per request left behind its frontier (``starts``) by this step
+        (its forward did not run, or its catch-up ``limits`` leave part of
+        its ``gaps``): its blocks from the frontier's on (the others' are
+        written by this step)."""
         table, size = self._blocks
-        self._lagging[:] = False
-        if not behind.any():
-            return
         if self._lag_table.shape[1] != table.shape[1]:
             self._lag_table = np.zeros((len(self._lagging), table.shape[1]), dtype=np.int64)
-        lagging = slots[behind]
-        self._lagging[lagging] = True
-        self._lag_table[lagging] = table[behind]
-        self._lag_start[lagging] = self._frontier[lagging] // size
-        self._lag_end[lagging] = -(-seq_lens[behind] // size)
+        keep_lagging_blocks(slots, table, size, starts, seq_lens,
+                            _NO_LIMITS if limits is None else limits, gaps, runs,
+                            self._lagging, self._lag_table, self._lag_start, self._lag_end)
 
     def catch_up(self, req_ids: list[str], context_lens: np.ndarray,
                  budget: int) -> CatchUp:
@@ -259,31 +263,20 @@ class SpeculationControl:
         behind its frontier) and, for all rows together, ``budget`` tokens
         (beyond it, and beyond a head's kept positions, holes stay holes)."""
         slots = self.controller.slots(req_ids)
-        full_gaps = np.maximum(context_lens - self._frontier[slots], 0)
-        gaps = self._capped(full_gaps)
-        behind = np.zeros(len(req_ids), dtype=bool)
+        limits = _NO_LIMITS
         if self._limits is not None:
             plan_ids, limits = self._limits
             if req_ids != plan_ids:
                 limit_of = dict(zip(plan_ids, limits.tolist()))
                 limits = np.array([limit_of[r] for r in req_ids], dtype=np.int64)
-            behind = limits < gaps
-            gaps = np.minimum(gaps, limits)
-        nothing = np.zeros(0, dtype=np.int64)
-        if not gaps.any():
-            return CatchUp(None, behind, slots, nothing, 0)
-        total = int(gaps.sum())
-        if total > budget:
-            gaps = np.minimum(gaps, max(budget // len(req_ids), 0))
-        holes = nothing
-        if self._blocks is not None:
-            # Synced with older tokens left out: their blocks turn stale.
-            table, size = self._blocks
-            cut = (gaps < full_gaps) & self._synced[slots] & ~behind
-            if cut.any():
-                holes = _block_ranges(table[:len(req_ids)], (context_lens - full_gaps) // size,
-                                      -(-(context_lens - gaps) // size), cut)
-        return CatchUp(context_lens - gaps, behind, slots, holes, int(gaps.sum()))
+        table, size = _NO_TABLE if self._blocks is None else self._blocks
+        starts, behind, tokens, holes = catch_up_rows(
+            slots, ints(context_lens), self._frontier,
+            -1 if self.max_catch_up is None else self.max_catch_up, limits, budget,
+            self._synced, table, size)
+        if tokens < 0:
+            return CatchUp(None, behind, slots, holes, 0)
+        return CatchUp(starts, behind, slots, holes, tokens)
 
     def commit_catch_up(self, catch_up: CatchUp) -> None:
         """Rows left behind keep their frontier (not synced); holes turn
@@ -307,11 +300,6 @@ class SpeculationControl:
         """Per row, its draft KV frontier (every position before it is right)."""
         return self._frontier[self.controller.slots(req_ids)]
 
-    def _capped(self, gaps: np.ndarray) -> np.ndarray:
-        """The gaps (verified tokens a row's draft KV lacks) a catch-up can
-        fill: for a head, at most the positions kept."""
-        return gaps if self.max_catch_up is None else np.minimum(gaps, self.max_catch_up)
-
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Each planned request's slot (``0 .. max_requests - 1``)."""
         return self.controller.slots(req_ids)
@@ -332,12 +320,13 @@ class SpeculationControl:
         }
 
 
-def _block_ranges(table: np.ndarray, first: np.ndarray, end: np.ndarray,
-                  rows: np.ndarray | None = None) -> np.ndarray:
-    """The block ids ``table[r, first[r]:end[r]]`` of every row (of ``rows``),
-    row by row."""
-    columns = np.arange(table.shape[1])
-    inside = (columns >= first[:, None]) & (columns < end[:, None])
-    if rows is not None:
-        inside &= rows[:, None]
-    return table[inside]
+
+_NO_LIMITS = np.zeros(0, dtype=np.int64)
+_NO_TABLE = (np.zeros((0, 0), dtype=np.int64), 1)
+
+
+def _table(block_table: np.ndarray) -> np.ndarray:
+    """A host block table as the kernels take it: contiguous, int32 (vLLM's)
+    or int64 (no copy when already so)."""
+    dtype = block_table.dtype if block_table.dtype in (np.int32, np.int64) else np.int64
+    return np.ascontiguousarray(block_table, dtype=dtype)
