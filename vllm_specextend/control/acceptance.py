@@ -28,7 +28,7 @@ class AcceptanceEstimates:
         self.engine_rates = np.full(num_positions, prior)
         self.rates = np.full((max_requests, num_positions), prior)
         self._survival = np.empty((max_requests, num_positions))
-        """Scratch for :meth:`survival` (rows first)."""
+        """Scratch for :func:`survival_rows` (rows first)."""
         warm_up_acceptance()
 
     def start(self, slot: int) -> None:
@@ -44,11 +44,6 @@ class AcceptanceEstimates:
         _observe_outcomes(self.rates, self.engine_rates, ints(slots), ints(drafted),
                           ints(accepted), _NO_FLAGS if probed is None else flags(probed),
                           float(self.smoothing), float(self.probe_smoothing))
-
-    def survival(self, slots: np.ndarray) -> np.ndarray:
-        """``[rows, K]``: probability that draft position ``i`` is accepted
-        (a view of scratch, valid until the next call)."""
-        return survival_rows(self.rates, ints(slots), self._survival)
 
     def kernel_args(self) -> tuple:
         """What a compiled caller of :func:`observe_verified` and
