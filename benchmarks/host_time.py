@@ -276,8 +276,13 @@ def measure(args) -> dict:
 GOODPUT_FUNCTIONS = {
     "control": ("_advance_frontiers", "_keep_lagging_blocks"),
     # admit: the request slots' update, arrivals and departures included.
-    "controller": ("admit", "_observe_cost", "_forced_rows", "_explore", "_note_plan"),
+    "controller": ("admit", "_observe_cost", "_explore", "_settle", "_noted"),
 }
+
+
+COMPILED_STEPS = ("step_rows", "plan_rows")
+"""The controller's compiled calls per step (``control/plan_kernels.py``):
+what the step verified, then forced drafts, the K choice and bookkeeping."""
 
 
 def goodput_breakdown(args) -> dict:
@@ -298,8 +303,9 @@ def goodput_breakdown(args) -> dict:
         timers.wrap(control.controller, name)
     timers.wrap(control.controller, "plan", "controller_plan")
     timers.wrap(control, "plan", "control_plan")
-    stock_choice = goodput.choose_draft_lengths
-    timers.wrap(goodput, "choose_draft_lengths")
+    kernels = {name: getattr(goodput, name) for name in COMPILED_STEPS}
+    for name in COMPILED_STEPS:
+        timers.wrap(goodput, name)
     max_blocks = -(-(2 * args.context + 2048) // BLOCK_SIZE)
     table = np.arange(args.batch * max_blocks, dtype=np.int32).reshape(args.batch, max_blocks)
     requests = _Requests(args.batch, args.context, args.k, args.seed)
@@ -314,8 +320,9 @@ def goodput_breakdown(args) -> dict:
             clock[0] += 0.025 + 2e-5 * float(requests.query_lens.sum()) + 3e-3 * plan.draft_steps
             requests.advance(plan.draft_lengths if runs else np.zeros(args.batch, np.int64))
     finally:
-        goodput.choose_draft_lengths = stock_choice
-    names = ["controller_plan", "choose_draft_lengths", *GOODPUT_FUNCTIONS["controller"],
+        for name, kernel in kernels.items():
+            setattr(goodput, name, kernel)
+    names = ["controller_plan", *COMPILED_STEPS, *GOODPUT_FUNCTIONS["controller"],
              "control_plan", *GOODPUT_FUNCTIONS["control"]]
     return {name: float(np.median([s.get(name, 0.0) for s in steps]) * 1e3)
             for name in names}

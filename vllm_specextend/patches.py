@@ -229,9 +229,9 @@ def _keep_planned_drafts(stock: Callable) -> Callable:
         lengths = None if control is None else control.draft_lengths
         if lengths is None:
             return draft_token_ids, req_ids
-        return [
-            ids[: lengths.get(req_id, len(ids))] for ids, req_id in zip(draft_token_ids, req_ids)
-        ], req_ids
+        kept = lengths.rows(req_ids)
+        return [ids if length is None else ids[:length]
+                for ids, length in zip(draft_token_ids, kept)], req_ids
 
     return _get_draft_token_ids_cpu
 

@@ -1,13 +1,27 @@
 """The K choice as numpy computed it before it was compiled: the reference
 that ``control/choice_kernel.py`` must equal bit for bit (every sum in
-numpy's order)."""
+numpy's order; the step's predicted seconds as the compiled cost model sums
+them, :func:`fused_dot`)."""
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import numpy as np
 
 from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, StepCostModel
 from vllm_specextend.control.draft_lengths import DraftPlan
+
+
+def fused_dot(features: np.ndarray, weights: np.ndarray) -> float:
+    """``features . weights`` left to right, each term added by one fused
+    multiply-add (exact arithmetic, rounded once): the compiled cost
+    model's sum (``cost_model.step_seconds``), which numpy's OpenBLAS dot
+    also makes below 16 features on FMA hardware."""
+    total = 0.0
+    for feature, weight in zip(features.tolist(), weights.tolist()):
+        total = float(Fraction(feature) * Fraction(weight) + Fraction(total))
+    return total
 
 
 def numpy_choice(
@@ -105,7 +119,7 @@ class _PlanPrices:
             features = paused.copy()
             if forwards:
                 features[NUM_LINEAR_FEATURES - 1 + min(forwards, cost.max_draft_steps)] = 1.0
-            self.fixed[index] = float(cost.predict(features))
+            self.fixed[index] = fused_dot(features, cost.weights)
         self.candidates = np.array(candidates)
         # Expected accepted drafts of a row drafting L: the sum of its first
         # L survival probabilities, left to right (as numpy sums a few).

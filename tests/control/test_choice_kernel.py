@@ -4,9 +4,9 @@
 import numpy as np
 import pytest
 
-from tests.control.numpy_choice import numpy_choice
+from tests.control.numpy_choice import fused_dot, numpy_choice
 from vllm_specextend.control.choice_kernel import pairwise_sum
-from vllm_specextend.control.cost_model import StepCostModel
+from vllm_specextend.control.cost_model import StepCostModel, fixed_seconds, step_seconds
 from vllm_specextend.control.draft_lengths import choose_draft_lengths
 
 
@@ -21,6 +21,28 @@ def test_pairwise_sum_is_numpys(n):
     assert _bits(pairwise_sum(values, n)) == _bits(values.sum())
     zeros = np.full(n, -0.0)
     assert _bits(pairwise_sum(zeros, n)) == _bits(zeros.sum())
+
+
+@pytest.mark.parametrize("k", [1, 3, 10, 12, 13])
+@pytest.mark.parametrize("piecewise_step", [False, True])
+def test_the_compiled_step_cost_is_the_fused_sum_of_its_features(k, piecewise_step):
+    rng = np.random.default_rng(k)
+    cost = StepCostModel(k, piecewise_step=piecewise_step)
+    for _ in range(200):
+        cost.weights = rng.standard_normal(len(cost.weights)) * 10.0 ** rng.integers(-6, 0)
+        tokens, steps = int(rng.integers(0, 5000)), int(rng.integers(0, k + 2))
+        catch_up, piecewise = int(rng.integers(0, 300)), bool(rng.random() < 0.5)
+        features = cost.features(tokens, steps, catch_up, piecewise)
+        seconds = cost.seconds(tokens, steps, catch_up, piecewise)
+        assert _bits(seconds) == _bits(fused_dot(features, cost.weights))
+        # numpy's dot (BLAS) sums in its own order: within rounding.
+        assert seconds == pytest.approx(float(cost.predict(features)), rel=1e-12, abs=1e-15)
+        free_pause = bool(rng.random() < 0.5)
+        fixed = fixed_seconds(cost.weights, k, tokens, k, free_pause, piecewise_step and piecewise)
+        for drafts in range(k + 1):
+            forwards = drafts if (drafts or free_pause) else 1
+            assert _bits(fixed[drafts]) == _bits(
+                step_seconds(cost.weights, k, tokens, forwards, 0, piecewise_step and piecewise))
 
 
 def _random_case(rng: np.random.Generator):

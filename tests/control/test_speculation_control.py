@@ -158,3 +158,26 @@ def test_a_catch_up_cut_by_the_token_budget_leaves_its_older_blocks_stale():
     script.step({"a": (101, 1 + K, 100, blocks)})
     script.step({"b": (64, 36, 100, blocks[:4] + [20, 21, 22])})
     assert script.control.frontiers(["b"])[0] == 0
+
+
+def test_the_runner_keeps_each_requests_planned_drafts_in_any_row_order():
+    from vllm_specextend.patches import _keep_planned_drafts
+
+    scripted = ScriptedControl()
+    scripted.step({"a": 2, "b": 0})
+    lengths = scripted.control.draft_lengths
+    assert dict(lengths) == {"a": 2, "b": 0} and lengths["a"] == 2 and len(lengths) == 2
+    assert lengths.rows(["b", "a", "c"]) == [0, 2, None]
+
+    class Runner:
+        drafter = type("Drafter", (), {"control": scripted.control})()
+
+    def stock(runner):
+        return [[1, 2, 3]] * len(runner.req_ids), runner.req_ids
+
+    kept = _keep_planned_drafts(stock)
+    for req_ids in (["a", "b"], ["b", "a", "c"]):
+        Runner.req_ids = req_ids
+        drafts, _ = kept(Runner())
+        # A request the plan did not see keeps its drafts.
+        assert drafts == [{"a": [1, 2], "b": [], "c": [1, 2, 3]}[r] for r in req_ids]

@@ -2,6 +2,7 @@
 freed one taken next, and arrivals and departures told to every feature
 once, whichever updates first."""
 
+import numpy as np
 import pytest
 
 from vllm_specextend.core.request_slots import RequestSlots
@@ -66,3 +67,53 @@ def test_a_feature_takes_the_shared_slots_only_at_its_capacity():
     assert RequestSlots.shared_or_new(None, 4) is not shared
     with pytest.raises(ValueError, match="request slots for 4 requests, 8 needed"):
         RequestSlots.shared_or_new(shared, 8)
+
+
+class ReferenceSlots:
+    """The slots' rules spelt out with a dictionary: departures in arrival
+    order, then arrivals in row order, each taking the slot freed last."""
+
+    def __init__(self, capacity: int) -> None:
+        self.slot_of: dict[str, int] = {}
+        self.free = list(range(capacity - 1, -1, -1))
+        self.events: list[tuple[str, list[str], list[int]]] = []
+
+    def update(self, req_ids: list[str]) -> list[int]:
+        left = [req_id for req_id in self.slot_of if req_id not in set(req_ids)]
+        if left:
+            self.events.append(("left", left, [self.slot_of[r] for r in left]))
+            self.free += [self.slot_of.pop(r) for r in left]
+        new = [req_id for req_id in req_ids if req_id not in self.slot_of]
+        for req_id in new:
+            self.slot_of[req_id] = self.free.pop()
+        if new:
+            self.events.append(("arrived", new, [self.slot_of[r] for r in new]))
+        return [self.slot_of[r] for r in req_ids]
+
+    def release(self, req_ids: list[str]) -> None:
+        left = [req_id for req_id in req_ids if req_id in self.slot_of]
+        if left:
+            self.events.append(("left", left, [self.slot_of[r] for r in left]))
+            self.free += [self.slot_of.pop(r) for r in left]
+
+
+def test_random_batches_get_the_reference_slots():
+    # Rows are compared with the last batch's to find the changed ones:
+    # reorders, shorter and longer batches, and requests coming back.
+    rng = np.random.default_rng(0)
+    slots, reference = RequestSlots(16), ReferenceSlots(16)
+    recorder = Recorder(slots)
+    batch: list[str] = []
+    for step in range(400):
+        batch = [r for r in batch if rng.random() > 0.15]
+        while len(batch) < 16 and rng.random() < 0.6:
+            batch.append(f"r{rng.integers(0, 40)}" if rng.random() < 0.2 else f"n{step}-{len(batch)}")
+        batch = list(dict.fromkeys(batch))
+        if rng.random() < 0.3:
+            rng.shuffle(batch)
+        if rng.random() < 0.1 and batch:
+            # Finished before the batch shows it; it may come back.
+            slots.release([batch[-1]])
+            reference.release([batch[-1]])
+        assert slots.update(batch).tolist() == reference.update(batch)
+    assert recorder.events == reference.events

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_specextend.control.cost_model import fixed_seconds
+
 PAIRWISE_FROM = 8
 """numpy sums this many contiguous numbers or more pairwise."""
 _PAIRWISE_BLOCK = 128
@@ -280,9 +282,34 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
     return best, best_steps, _goodput(batch, positions, best, fixed[best_steps], False)
 
 
+@njit(cache=True)
+def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_step,
+                        num_requests, other_tokens, free_pause, hysteresis, draft_steps, resume,
+                        must, uniform_draft_length):
+    """:func:`choose_lengths` for a step of ``num_requests`` requests and
+    ``other_tokens`` prefill tokens, priced by the cost model's ``weights``
+    (``piecewise_step``: the model has that feature;
+    ``uniform_draft_length`` -1: no FULL graphs), as
+    :func:`~vllm_specextend.control.draft_lengths.choose_draft_lengths`
+    documents."""
+    rows, max_k = survival.shape
+    graphs = uniform_draft_length >= 0 and piecewise_step
+    # Only a batch of decode rows can be a FULL graph's.
+    uniform = (uniform_draft_length if (graphs and other_tokens == 0 and rows == num_requests)
+               else -1)
+    fixed = fixed_seconds(weights, max_draft_steps, num_requests + other_tokens, max_k,
+                          free_pause, graphs)
+    piecewise_cost = weights[weights.shape[0] - 1] if piecewise_step else 0.0
+    return choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, weights[1], resume,
+                          must, uniform, piecewise_cost)
+
+
 def warm_up_choice() -> None:
     """Compile (or load) the choice for the argument types the controller
     passes, so that no step waits for it."""
     choose_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), 0.1, np.ones(2),
                    np.zeros(0, dtype=bool), np.float64(1.0), np.zeros(1),
                    np.zeros(1, dtype=bool), -1, 0.0)
+    choose_step_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), np.zeros(5), 1, True, 1, 0,
+                        True, 0.1, np.zeros(0, dtype=bool), np.zeros(1), np.zeros(1, dtype=bool),
+                        -1)

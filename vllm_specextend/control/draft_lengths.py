@@ -10,12 +10,13 @@ compiled (:mod:`~vllm_specextend.control.choice_kernel`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specextend.control.choice_kernel import choose_lengths
-from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, StepCostModel
+from vllm_specextend.control.choice_kernel import choose_step_lengths
+from vllm_specextend.control.cost_model import StepCostModel
 from vllm_specextend.control.kernel_args import flags, floats
 
 
@@ -37,6 +38,42 @@ class DraftPlan:
     draft_prefill: bool = True
     """Whether prompt chunks go through the draft this step when nobody
     drafts (False: a caught-up new request would not draft now either)."""
+
+
+class PlannedDraftLengths(Mapping[str, int]):
+    """Drafts each request of the last plan keeps, by request id (what the
+    runner truncates its drafts to). Kept as the plan's rows: a dictionary
+    is built only when looked up by id, and :meth:`rows` answers a batch in
+    the plan's order without one."""
+
+    def __init__(self, req_ids: list[str], lengths: np.ndarray) -> None:
+        self.req_ids = req_ids
+        """The plan's requests (a copy: the runner's list changes in place)."""
+        self.lengths = lengths
+        self._by_id: dict[str, int] | None = None
+
+    def rows(self, req_ids: list[str]) -> list[int | None]:
+        """Per request of ``req_ids``, its drafts (None: not planned)."""
+        if req_ids == self.req_ids:
+            return self.lengths.tolist()
+        return [self.get(req_id) for req_id in req_ids]
+
+    def _dict(self) -> dict[str, int]:
+        if self._by_id is None:
+            self._by_id = dict(zip(self.req_ids, self.lengths.tolist()))
+        return self._by_id
+
+    def __getitem__(self, req_id: str) -> int:
+        return self._dict()[req_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+NO_PLANNED_DRAFT_LENGTHS = PlannedDraftLengths([], np.zeros(0, dtype=np.int64))
 
 
 def choose_draft_lengths(
@@ -80,42 +117,19 @@ def choose_draft_lengths(
     :mod:`~vllm_specextend.control.choice_kernel`); a ``D`` no row would
     draft up to is weighed with its likeliest row drafting ``D``.
 
-    (Long for its arguments' documentation: the body prices the step and
-    hands the choice to the kernel.)
+    (Long for its arguments' documentation: the body hands the step's
+    pricing and the choice to the kernel.)
     """
-    rows, max_k = survival.shape
-    graphs = uniform_draft_length is not None and cost.piecewise_step
-    # Only a batch of decode rows can be a FULL graph's.
-    uniform = (uniform_draft_length if (graphs and other_tokens == 0 and rows == num_requests)
-               else -1)
-    lengths, steps, goodput = choose_lengths(
-        floats(survival), flags(drafting), float(hysteresis),
-        _fixed_seconds(cost, num_requests + other_tokens, max_k, free_pause, graphs),
-        _NO_FLAGS if draft_steps is None else flags(draft_steps), np.float64(cost.weights[1]),
+    lengths, steps, goodput = choose_step_lengths(
+        floats(survival), flags(drafting), floats(cost.weights), cost.max_draft_steps,
+        cost.piecewise_step, num_requests, other_tokens, free_pause, float(hysteresis),
+        _NO_FLAGS if draft_steps is None else flags(draft_steps),
         _NO_SECONDS if resume_seconds is None else floats(resume_seconds),
-        _NO_FLAGS if must_draft is None else flags(must_draft), int(uniform),
-        float(cost.piecewise_cost))
+        _NO_FLAGS if must_draft is None else flags(must_draft),
+        -1 if uniform_draft_length is None else uniform_draft_length)
     assert steps >= 0, "no number of draft steps to choose from"
     return DraftPlan(lengths, steps, goodput)
 
 
 _NO_FLAGS = np.zeros(0, dtype=bool)
 _NO_SECONDS = np.zeros(0)
-
-
-def _fixed_seconds(cost: StepCostModel, base_tokens: int, max_k: int, free_pause: bool,
-                   graphs: bool) -> np.ndarray:
-    """``[K + 1]``: per number of draft steps ``D``, the step's predicted
-    seconds before its drafts' tokens (``free_pause``: no draft forward at
-    ``D = 0``)."""
-    features = cost.features(base_tokens, 0, piecewise=graphs)
-    fixed = np.empty(max_k + 1)
-    for steps in range(max_k + 1):
-        forwards = steps if (steps or free_pause) else 1
-        column = NUM_LINEAR_FEATURES - 1 + min(forwards, cost.max_draft_steps)
-        if forwards:
-            features[column] = 1.0
-        fixed[steps] = float(cost.predict(features))
-        if forwards:
-            features[column] = 0.0
-    return fixed

@@ -12,51 +12,31 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specextend.control.draft_lengths import DraftPlan
-from vllm_specextend.control.kernel_args import flags, floats, ints
-from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, forced_rows
+from vllm_specextend.control.kernel_args import floats
+from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, catch_up_prices
 
 __all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]
 
 WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
-_NO_INTS = np.zeros(0, dtype=np.int64)
-_NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 class ForcedDrafts:
     """The :class:`GoodputController` methods that price and plan forced
-    drafts and catch-up."""
+    drafts and catch-up.
 
-    def _forced_rows(self, slots: np.ndarray, decoding: np.ndarray, paused_step: float,
-                     gaps: np.ndarray | None, whole: np.ndarray | None) -> tuple:
-        """Per row (:func:`~vllm_specextend.control.plan_kernels.forced_rows`):
-        ``(budgets, least, probing, resume)``, views of the row scratch.
-
-        A row's budget is the seconds its next forced drafts (a probe, an
-        exploration) may cost: ``probe_budget`` of its share of the steps it
-        paused in since it last drafted (``paused_step``: this batch's
-        predicted step without drafts). It catches up ``least`` tokens at
-        least (``min_probe_catch_up``; all of its gap where it must catch up
-        a whole gap (``whole``), then no budget until a catch-up was timed).
-        It probes when decoding, its paused plans reach its back-off (or the
-        probe interval) and the budget covers a draft and ``least``. Its
-        resume seconds (None without ``gaps``): what drafting on its
-        estimates adds to its step, catching up its gap once, spread over
-        as many steps as the request has decoded (at least a probe interval;
-        it is expected to run about as long again); a probe's catch-up is
-        its budget's."""
-        p = self.parameters
-        rows = len(slots)
-        whole = _NO_FLAGS if whole is None or gaps is None else flags(whole)
-        forced_rows(
-            slots, decoding, _NO_INTS if gaps is None else ints(gaps), whole,
-            (self._paused_steps, self._probe_after, self._drafted_steps,
-             self._paused_decode_steps),
-            p.probe_budget * paused_step / rows, p.min_probe_catch_up, self._catch_up_timed,
-            p.probe_interval, floats(self.cost.weights), self._forced_catch_up_seconds(),
-            self._catch_up_seconds(), self._row_flags, self._row_ints, self._row_seconds)
-        budgets, resume = self._row_seconds[:, :rows]
-        return (budgets, self._row_ints[0, :rows], self._row_flags[3, :rows],
-                None if gaps is None else resume)
+    Per row, what forced drafts may do (computed in the controller's plan,
+    :func:`~vllm_specextend.control.plan_kernels.forced_rows`): a row's
+    budget is the seconds its next forced drafts (a probe, an exploration)
+    may cost: ``probe_budget`` of its share of the steps it paused in since
+    it last drafted (priced at this batch's predicted step without drafts).
+    It catches up ``min_probe_catch_up`` tokens at least (all of its gap
+    where it must catch up a whole gap, then no budget until a catch-up was
+    timed). It probes when decoding, its paused plans reach its back-off (or
+    the probe interval) and the budget covers a draft and that catch-up.
+    Its resume seconds: what drafting on its estimates adds to its step,
+    catching up its gap once, spread over as many steps as the request has
+    decoded (at least a probe interval; it is expected to run about as long
+    again); a probe's catch-up is its budget's."""
 
     def _catch_up_seconds(self) -> float:
         """Seconds per caught-up token: learnt once a catch-up was timed, at
@@ -64,8 +44,7 @@ class ForcedDrafts:
         target's: one small catch-up's step can put all its noise on its
         few tokens); before, a verified token's, so resumptions and prompts
         are not priced as free."""
-        verified = float(self.cost.weights[1])
-        return min(float(self.cost.weights[2]), verified) if self._catch_up_timed else verified
+        return float(catch_up_prices(self.cost.weights, self._catch_up_timed)[0])
 
     def _forced_catch_up_seconds(self) -> float:
         """Seconds per token a forced draft's catch-up is priced at: none
@@ -74,7 +53,7 @@ class ForcedDrafts:
         (A verified token's price overstates it where the steps cannot tell
         the base from a token: at batch 1, half of a paused step. A whole
         gap is not forced before: ``plan``'s ``whole_catch_up``.)"""
-        return self._catch_up_seconds() if self._catch_up_timed else 0.0
+        return float(catch_up_prices(self.cost.weights, self._catch_up_timed)[1])
 
     def _affordable(self, budgets: np.ndarray, draft_steps: int, num_requests: int,
                     least: np.ndarray) -> np.ndarray:

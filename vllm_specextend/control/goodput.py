@@ -36,10 +36,10 @@ import numpy as np
 from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.choice_kernel import warm_up_choice
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
-from vllm_specextend.control.cost_model import StepCostModel, step_features
+from vllm_specextend.control.cost_model import StepCostModel, step_features, warm_up_cost_model
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
-from vllm_specextend.control.kernel_args import floats, ints
+from vllm_specextend.control.kernel_args import flags, floats, ints
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
@@ -48,6 +48,7 @@ from vllm_specextend.control.parameters import (
 )
 from vllm_specextend.control.plan_kernels import (
     paused_fractions,
+    plan_rows,
     settle_plan,
     start_requests,
     step_rows,
@@ -60,6 +61,10 @@ __all__ = [
     "ControlParameters", "DraftPlan", "GoodputController", "StepCostModel", "StepOutcome",
     "choose_draft_lengths", "step_features",
 ]
+
+_NO_INTS = np.zeros(0, dtype=np.int64)
+_NO_FLAGS = np.zeros(0, dtype=bool)
+
 
 class GoodputController(ForcedDrafts):
     """Per step, the draft lengths of the next verification for every request
@@ -94,6 +99,7 @@ class GoodputController(ForcedDrafts):
         self.parameters = parameters
         warm_up_choice()  # compiled (or loaded) now, not at the first step
         warm_up_plan_kernels()
+        warm_up_cost_model()
         p = parameters
         self.cost = StepCostModel(num_speculative_tokens, forgetting=p.cost_forgetting,
                                   ridge=p.cost_ridge,
@@ -125,6 +131,18 @@ class GoodputController(ForcedDrafts):
         """Decode steps each request drafted in (its metrics)."""
         self._paused_decode_steps = np.zeros(max_requests, dtype=np.int64)
         """Decode steps it did not draft in."""
+        self._verification = (self._context_len, self._verified_drafts,
+                              self._verified_probe, self._probed)
+        """What ``step_rows`` learns the verified drafts from."""
+        self._forced_state = (self._paused_steps, self._probe_after, self._drafted_steps,
+                              self._paused_decode_steps)
+        """What ``forced_rows`` reads."""
+        self._plan_state = (self._drafted, self._probed, self._paused_steps, self._probe_after,
+                            self._drafted_steps, self._paused_decode_steps)
+        """What ``settle_plan`` updates."""
+        self._settings = (float(p.probe_budget), int(p.min_probe_catch_up),
+                          int(p.probe_interval), int(p.max_probe_backoff), float(p.hysteresis),
+                          bool(free_pause))
         # Per row of a plan (its first rows), scratch:
         self._row_flags = np.zeros((4, max_requests), dtype=bool)
         """Verifying drafts, decoding after the step, drafted at the
@@ -205,42 +223,54 @@ class GoodputController(ForcedDrafts):
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         tokens, other_tokens, prefilling, uniform = step_rows(
             slots, context_lens, query_lens, ints(prompt_lens), -1 if graph is None else graph,
-            self._drafted, estimates, (
-                self._context_len, self._verified_drafts, self._verified_probe, self._probed),
-            self._row_flags)
-        verifying, decoding, drafting = self._row_flags[:3, :num_requests]
-        survival = estimates[-1][:num_requests]
+            self._drafted, estimates, self._verification, self._row_flags)
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
             self._observe_cost(tokens, now, graph is not None and not uniform)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
-        paused_step = max(float(self.cost.predict(self.cost.features(
-            num_requests + other_tokens, 0, piecewise=True))), 0.0)
-        budgets, least, probing, resume = self._forced_rows(
-            slots, decoding, paused_step, catch_up_gaps, whole_catch_up)
-        plan = choose_draft_lengths(
-            survival, drafting, self.cost, num_requests, other_tokens=other_tokens,
-            free_pause=self.free_pause, hysteresis=p.hysteresis, must_draft=probing,
-            resume_seconds=resume,
-            uniform_draft_length=None if graph is None else graph - 1,
-        )
-        chosen = plan.draft_lengths
-        plan = self._explore(plan, decoding, budgets, num_requests, least)
+        gaps = _NO_INTS if catch_up_gaps is None else ints(catch_up_gaps)
+        whole = (_NO_FLAGS if whole_catch_up is None or catch_up_gaps is None
+                 else flags(whole_catch_up))
+        exploring = self._exploration_due()
+        survival = estimates[-1][:num_requests]
+        lengths, steps, goodput, paused_step, some_decode, limits, counts = plan_rows(
+            slots, gaps, whole, self._forced_state, self._plan_state, survival,
+            self.cost.weights, self.cost.max_draft_steps, self.cost.piecewise_step, other_tokens,
+            self._catch_up_timed, self._settings, -1 if graph is None else graph - 1,
+            not exploring, self._row_flags, self._row_ints, self._row_seconds,
+            self.stats.chosen_lengths)
+        plan = DraftPlan(lengths, steps, goodput)
+        if exploring:
+            plan = self._explore(plan, self._row_flags[1, :num_requests],
+                                 self._row_seconds[0, :num_requests], num_requests,
+                                 self._row_ints[0, :num_requests])
+        elif some_decode:
+            self._since_exploration += 1  # what _explore counts when it changes nothing
         if plan.draft_steps == 0:
             self._prompt_budget += p.probe_budget * paused_step
             if prefilling:
+                verifying, _, drafting = self._row_flags[:3, :num_requests]
+                resume = None if catch_up_gaps is None else self._row_seconds[1, :num_requests]
                 plan = replace(plan, draft_prefill=self._prompt_through_draft(
                     survival, drafting, resume, ~verifying, query_lens, num_requests))
-        plan = self._note_plan(slots, plan, chosen)
+        if exploring:
+            limits, counts = self._settle(slots, plan.draft_lengths, lengths)
         self._plans += 1
-        return plan
+        return self._noted(plan, limits, counts)
 
-    def _note_plan(self, slots: np.ndarray, plan: DraftPlan, chosen: np.ndarray) -> DraftPlan:
-        """The plan with its catch-up limits; each request's state after it,
-        and the engine's counts
-        (:func:`~vllm_specextend.control.plan_kernels.settle_plan`).
+    def _exploration_due(self) -> bool:
+        """Whether :meth:`_explore` may change this plan: a warm-up plan, or
+        an exploration's interval is up (otherwise it only counts the plan)."""
+        return (self._plans in WARM_UP_PLANS
+                or self._since_exploration + 1 >= self.parameters.explore_interval)
+
+    def _settle(self, slots: np.ndarray, lengths: np.ndarray, chosen: np.ndarray) -> tuple:
+        """A plan's catch-up limits and each request's state after it
+        (:func:`~vllm_specextend.control.plan_kernels.settle_plan`; in
+        :func:`~vllm_specextend.control.plan_kernels.plan_rows` when no
+        exploration changes the plan).
 
         Catch-up limits: a row drafting on its estimates catches up all of
         its gap, a paused row none, a row drafting by force (probing, none
@@ -248,13 +278,15 @@ class GoodputController(ForcedDrafts):
         drafts, and at least its least catch-up (only that until a catch-up
         was timed)."""
         p = self.parameters
-        limits, (probes, arrival, changed, drafted, paused) = settle_plan(
-            slots, ints(plan.draft_lengths), ints(chosen), self._row_flags, self._row_ints,
+        return settle_plan(
+            slots, ints(lengths), ints(chosen), self._row_flags, self._row_ints,
             self._row_seconds, floats(self.cost.weights), self._catch_up_timed,
-            self._forced_catch_up_seconds(), (
-                self._drafted, self._probed, self._paused_steps, self._probe_after,
-                self._drafted_steps, self._paused_decode_steps),
-            self.stats.chosen_lengths, p.probe_interval, p.max_probe_backoff)
+            self._forced_catch_up_seconds(), self._plan_state, self.stats.chosen_lengths,
+            p.probe_interval, p.max_probe_backoff)
+
+    def _noted(self, plan: DraftPlan, limits: np.ndarray, counts: tuple) -> DraftPlan:
+        """The plan with its catch-up limits; the engine's counts."""
+        probes, arrival, changed, drafted, paused = counts
         if changed:
             # Requests arriving after a failed probe wait as long.
             self._arrival_probe_after = arrival

@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
-from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
+from vllm_specextend.control.draft_lengths import PlannedDraftLengths
 from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
+from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
+from vllm_specextend.control.speculation_control import SpeculationControl
 from vllm_specextend.core.planner import PlanningBatch
 from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.log import plugin_logger
-from vllm_specextend.control.speculation_control import SpeculationControl
 
 logger = plugin_logger(__name__)
 
@@ -197,7 +198,7 @@ class DraftControl:
     # ---- the runner, the worker and the benchmarks ------------------------
 
     @property
-    def draft_lengths(self) -> dict[str, int] | None:
+    def draft_lengths(self) -> PlannedDraftLengths | None:
         """Drafts each request of the last plan keeps (None: switched off)."""
         return None if self.speculation is None else self.speculation.draft_lengths
 

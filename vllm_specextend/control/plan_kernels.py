@@ -14,7 +14,8 @@ import numpy as np
 from numba import njit
 
 from vllm_specextend.control.acceptance import observe_verified, survival_rows
-from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES
+from vllm_specextend.control.choice_kernel import choose_step_lengths
+from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, step_seconds
 
 UNLIMITED = np.iinfo(np.int64).max
 """A catch-up limit that is none."""
@@ -85,6 +86,18 @@ def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up)
     for row in range(budgets.shape[0]):
         covered[row] = budgets[row] >= price + per_catch_up * least[row]
     return covered
+
+
+@njit(cache=True)
+def catch_up_prices(weights, timed):
+    """Seconds per caught-up token, and per token of a forced draft's
+    catch-up (see ``ForcedDrafts._catch_up_seconds`` and
+    ``_forced_catch_up_seconds``)."""
+    verified = weights[1]
+    if not timed:
+        return verified, 0.0
+    learnt = verified if verified < weights[2] else weights[2]  # Python's min(learnt, verified)
+    return learnt, learnt
 
 
 @njit(cache=True)
@@ -233,6 +246,49 @@ def settle_plan(slots, lengths, chosen, row_flags, row_ints, row_seconds, weight
                        probed, paused_state, probe_after_state, drafted_steps,
                        paused_decode_steps, histogram, probe_interval, max_backoff)
     return limits, counts
+
+
+@njit(cache=True)
+def plan_rows(slots, gaps, whole, forced_state, plan_state, survival, weights, max_draft_steps,
+              piecewise_step, other_tokens, timed, settings, uniform_draft_length, settle,
+              row_flags, row_ints, row_seconds, histogram):
+    """A step's plan after :func:`step_rows`, in one call: the rows' forced
+    drafts (:func:`forced_rows`, their budget from the predicted step
+    without drafts), the choice
+    (:func:`~vllm_specextend.control.choice_kernel.choose_step_lengths`)
+    and, with ``settle`` (no exploration may change the plan), its
+    :func:`settle_plan`. ``settings``: ``(probe budget, least probe
+    catch-up, probe interval, most probe back-off, hysteresis, free
+    pause)``; ``forced_state``, ``plan_state``: :func:`forced_rows`'s and
+    :func:`settle_plan`'s ``state``. Returns the lengths, draft steps and
+    expected goodput, the predicted paused step, whether a row decodes, and
+    the limits and counts (empty and zero unless settled)."""
+    probe_budget, min_catch_up, probe_interval, max_backoff, hysteresis, free_pause = settings
+    rows = slots.shape[0]
+    per_token, per_forced_token = catch_up_prices(weights, timed)
+    paused_step = step_seconds(weights, max_draft_steps, rows + other_tokens, 0, 0,
+                               piecewise_step)
+    if 0.0 > paused_step:  # Python's max(paused_step, 0.0)
+        paused_step = 0.0
+    decoding = row_flags[1, :rows]
+    forced_rows(slots, decoding, gaps, whole, forced_state, probe_budget * paused_step / rows,
+                min_catch_up, timed, probe_interval, weights, per_forced_token, per_token,
+                row_flags, row_ints, row_seconds)
+    resume = row_seconds[1, :rows] if gaps.shape[0] else row_seconds[1, :0]
+    lengths, steps, goodput = choose_step_lengths(
+        survival, row_flags[2, :rows], weights, max_draft_steps, piecewise_step, rows,
+        other_tokens, free_pause, hysteresis, row_flags[1, :0], resume, row_flags[3, :rows],
+        uniform_draft_length)
+    some_decode = False
+    for row in range(rows):
+        some_decode |= decoding[row]
+    limits = np.empty(0, np.int64)
+    counts = (0, 0, False, 0, 0)
+    if settle:
+        limits, counts = settle_plan(slots, lengths, lengths, row_flags, row_ints, row_seconds,
+                                     weights, timed, per_forced_token, plan_state, histogram,
+                                     probe_interval, max_backoff)
+    return lengths, steps, goodput, paused_step, some_decode, limits, counts
 
 
 def warm_up_plan_kernels() -> None:

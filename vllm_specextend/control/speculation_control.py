@@ -44,6 +44,10 @@ from vllm_specextend.control.frontier_kernels import (
     new_rows,
     warm_up_frontier_kernels,
 )
+from vllm_specextend.control.draft_lengths import (
+    NO_PLANNED_DRAFT_LENGTHS,
+    PlannedDraftLengths,
+)
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
 from vllm_specextend.control.kernel_args import ints
 from vllm_specextend.core.request_slots import RequestSlots
@@ -111,7 +115,7 @@ class SpeculationControl:
                                             full_graph_query_len=full_graph_query_len,
                                             requests=requests)
         self.controller.requests.subscribe(left=self._forget)
-        self.draft_lengths: dict[str, int] = {}
+        self.draft_lengths = NO_PLANNED_DRAFT_LENGTHS
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._limits: tuple[list[str], np.ndarray] | None = None
         """The last plan's requests and catch-up limits (None: no limits)."""
@@ -161,9 +165,9 @@ class SpeculationControl:
                                                                   ints(prompt_lens))
         plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
                                     catch_up_gaps=gaps, whole_catch_up=whole)
-        self.draft_lengths = dict(zip(req_ids, plan.draft_lengths.tolist()))
-        self._limits = (None if plan.catch_up_limits is None
-                        else (list(req_ids), plan.catch_up_limits))
+        planned = list(req_ids)
+        self.draft_lengths = PlannedDraftLengths(planned, plan.draft_lengths)
+        self._limits = None if plan.catch_up_limits is None else (planned, plan.catch_up_limits)
         runs = not (self.free_pause and plan.draft_steps == 0 and not (
             prefilling and (plan.draft_prefill or not self.defer_prompts)))
         deferred_tokens = 0

@@ -7,15 +7,17 @@ goodput control): whichever sees a step's batch first updates it, and every
 feature is told which requests arrived and which left, whether or not it
 runs that step. Host-only bookkeeping, independent of vLLM. A batch that
 repeats the last one's requests (most steps) is answered from a cache, so a
-step costs a list comparison rather than a dictionary look-up per request.
+step costs a list comparison rather than a dictionary look-up per request;
+another looks up only the rows whose request changed, and finds departures
+and free slots in one compiled pass over the slots (:func:`settle_slots`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
 
 import numpy as np
+from numba import njit
 
 SlotHandler = Callable[[list[str], np.ndarray], None]
 """Called with request ids and their slots (``[n]``, int64)."""
@@ -27,11 +29,22 @@ class RequestSlots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._slot_of: dict[str, int] = {}
-        self._free = list(range(capacity - 1, -1, -1))
+        # Per slot: who holds it and since when (departures are told in
+        # arrival order); free slots as a stack, the last freed on top.
+        self._id_of: list[str | None] = [None] * capacity
+        self._live = np.zeros(capacity, dtype=bool)
+        self._arrival = np.zeros(capacity, dtype=np.int64)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._counts = np.array([capacity, 0], dtype=np.int64)
+        """Free slots, arrivals so far."""
         self._last_ids: list[str] | None = None
+        self._last_rows = np.zeros(0, dtype=object)
+        """The last batch's ids as an array (rows compared to find changes)."""
         self._last_slots = np.zeros(0, dtype=np.int64)
         self._on_arrival: list[SlotHandler] = []
         self._on_departure: list[SlotHandler] = []
+        settle_slots(np.zeros(0, dtype=np.int64), self._live, self._arrival, self._free,
+                     self._counts)  # compiled (or loaded) now
 
     @classmethod
     def shared_or_new(cls, shared: RequestSlots | None, capacity: int) -> RequestSlots:
@@ -70,22 +83,29 @@ class RequestSlots:
         (``[rows]``). Calling it again with the same batch changes nothing."""
         if req_ids == self._last_ids:
             return self._last_slots
-        slot_of = self._slot_of
-        slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1)), dtype=np.int64,
-                            count=len(req_ids))
-        new_rows = np.flatnonzero(slots < 0)
-        if len(slot_of) > len(req_ids) - len(new_rows):
-            # Some live requests are not in the batch. In arrival order:
-            # freed slots are reused in the same order on every run and rank.
-            present = set(req_ids)
-            self.release([req_id for req_id in slot_of if req_id not in present])
-        self._last_ids, self._last_slots = list(req_ids), slots
-        if len(new_rows):
-            taken = [self._free.pop() for _ in range(len(new_rows))]
-            slots[new_rows] = taken
-            new_ids = [req_ids[row] for row in new_rows.tolist()]
-            slot_of.update(zip(new_ids, taken))
-            self._notify(self._on_arrival, new_ids, slots[new_rows])
+        rows = np.array(req_ids, dtype=object)
+        slots = self._last_slots[:len(rows)].copy()
+        if len(slots) < len(rows):
+            slots = np.concatenate((slots, np.zeros(len(rows) - len(slots), np.int64)))
+        changed = np.flatnonzero(rows[:len(self._last_rows)] != self._last_rows[:len(rows)])
+        changed = np.concatenate((changed, np.arange(len(self._last_rows), len(rows))))
+        get = self._slot_of.get
+        slots[changed] = [get(req_id, -1) for req_id in rows[changed].tolist()]
+        gone, new_rows = settle_slots(slots, self._live, self._arrival, self._free,
+                                      self._counts)
+        if gone.size:
+            # In arrival order: freed slots are reused in the same order on
+            # every run and rank.
+            self._left([self._id_of[slot] for slot in gone.tolist()], gone)
+        self._last_ids, self._last_rows, self._last_slots = list(req_ids), rows, slots
+        if new_rows.size:
+            new_ids = rows[new_rows].tolist()
+            new_slots = slots[new_rows]
+            taken = new_slots.tolist()
+            self._slot_of.update(zip(new_ids, taken))
+            for req_id, slot in zip(new_ids, taken):
+                self._id_of[slot] = req_id
+            self._notify(self._on_arrival, new_ids, new_slots)
         return slots
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
@@ -100,12 +120,70 @@ class RequestSlots:
         left = [req_id for req_id in req_ids if req_id in self._slot_of]
         if not left:
             return
-        slots = np.array([self._slot_of.pop(req_id) for req_id in left], dtype=np.int64)
-        self._notify(self._on_departure, left, slots)
-        self._free += slots.tolist()
-        self._last_ids = None
+        slots = np.array([self._slot_of[req_id] for req_id in left], dtype=np.int64)
+        self._left(left, slots)
+        free, _ = self._counts
+        self._free[free:free + len(slots)] = slots
+        self._live[slots] = False
+        self._counts[0] += len(slots)
+        self._last_ids, self._last_rows = None, self._last_rows[:0]
+
+    def _left(self, req_ids: list[str], slots: np.ndarray) -> None:
+        """Subscribers are told; the ids are dropped (the slots' arrays are
+        the caller's)."""
+        self._notify(self._on_departure, req_ids, slots)
+        for req_id in req_ids:
+            del self._slot_of[req_id]
+        for slot in slots.tolist():
+            self._id_of[slot] = None
 
     @staticmethod
     def _notify(handlers: list[SlotHandler], req_ids: list[str], slots: np.ndarray) -> None:
         for handler in handlers:
             handler(req_ids, slots)
+
+
+@njit(cache=True)
+def settle_slots(slots, live, arrival, free, counts):
+    """A batch's slots (``slots``: -1 for requests without one): live slots
+    no row holds are freed, in arrival order (returned), then each new row
+    takes the slot on top of the ``free`` stack (written into ``slots``;
+    their rows returned). ``counts``: ``[free slots, arrivals so far]``."""
+    capacity = live.shape[0]
+    held = np.zeros(capacity, np.bool_)
+    num_new = 0
+    for row in range(slots.shape[0]):
+        if slots[row] >= 0:
+            held[slots[row]] = True
+        else:
+            num_new += 1
+    num_gone = 0
+    gone = np.empty(capacity, np.int64)
+    for slot in range(capacity):
+        if live[slot] and not held[slot]:
+            # Insertion by arrival (few leave a step).
+            at = num_gone
+            while at > 0 and arrival[gone[at - 1]] > arrival[slot]:
+                gone[at] = gone[at - 1]
+                at -= 1
+            gone[at] = slot
+            num_gone += 1
+    top = counts[0]
+    for i in range(num_gone):
+        live[gone[i]] = False
+        free[top] = gone[i]
+        top += 1
+    new_rows = np.empty(num_new, np.int64)
+    num_new = 0
+    for row in range(slots.shape[0]):
+        if slots[row] < 0:
+            top -= 1
+            slot = free[top]
+            slots[row] = slot
+            live[slot] = True
+            arrival[slot] = counts[1]
+            counts[1] += 1
+            new_rows[num_new] = row
+            num_new += 1
+    counts[0] = top
+    return gone[:num_gone], new_rows
