@@ -59,9 +59,8 @@ RESULTS = RESULTS_DIR / "host-time"
 
 SLOT_PARTS = {"request_slots": "request slots: arrivals and departures (both features)"}
 PLANNER_PARTS = {
-    "_classify_rows": "planner: row classification",
+    "_classify_rows": "planner: row classification and retrieval bookkeeping",
     "_stage": "planner: index staging",
-    "_note_retrievals": "planner: retrieval bookkeeping",
 }
 CONTROL_PARTS = {
     "controller_plan": "goodput: controller plan (control/goodput.py)",
@@ -73,7 +72,7 @@ EXCLUDED_TENSOR_WORK = "stats_device_ops"
 folded into the device histograms): timed and subtracted."""
 PART_COLORS = {
     "request_slots": "tab:pink", "_classify_rows": "tab:red", "_stage": "tab:orange",
-    "_note_retrievals": "goldenrod", "controller_plan": "tab:blue",
+    "controller_plan": "tab:blue",
     "control_plan_rest": "tab:cyan", "catch_up_starts": "tab:purple",
 }
 

@@ -127,10 +127,7 @@ def _goodput(batch, positions, lengths, fixed, weighted):
             # (Its sum left to right, over the scale as numpy divided it.)
             row_buffer[row] = (weighted_table if weighted else accepted_table)[row, length]
         else:
-            for position in range(positions):
-                position_buffer[position] = survival[row, position] * (
-                    1.0 if position < length else 0.0)
-            accepted = pairwise_sum(position_buffer, positions)
+            accepted = _accepted(survival, row, positions, length, position_buffer)
             row_buffer[row] = accepted / scale[row] if weighted else accepted
     gained = rows + pairwise_sum(row_buffer, rows)
     return gained / seconds if seconds > 0 else 0.0
@@ -143,11 +140,11 @@ def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewis
     first ``L`` survival probabilities, left to right) with and without
     the scale, and scratch."""
     rows, max_k = survival.shape
-    weighted = np.empty((rows, max_k))
+    weighted = np.empty((max_k, rows))  # by position: the rows' loops run over columns
     accepted_table = np.zeros((rows, max_k + 1))
     for row in range(rows):
         for position in range(max_k):
-            weighted[row, position] = survival[row, position] / scale[row]
+            weighted[position, row] = survival[row, position] / scale[row]
             accepted_table[row, position + 1] = (accepted_table[row, position]
                                                  + survival[row, position])
     weighted_table = np.empty((rows, max_k + 1))
@@ -164,41 +161,83 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     steps: fills ``lengths``, returns the objective. A position is kept
     when it is worth more than its verification time at the current
     goodput (and every position before it is), a row drafts when its kept
-    positions are worth more than its resumption."""
-    weighted, resume, resumes, per_token, position_buffer = (
-        batch[1], batch[4], batch[5], batch[6], batch[9])
-    rows = weighted.shape[0]
+    positions are worth more than its resumption. Each round prices its
+    plan in the same pass (the sums :func:`_goodput` makes, in its order)."""
+    (survival, weighted, _, scale, resume, resumes, per_token, uniform_length, piecewise_cost,
+     position_buffer, row_buffer, weighted_table) = batch
+    rows = weighted.shape[1]
+    resume_buffer = np.empty(rows)
+    chosen_rows, kept_rows, worth_rows = (np.empty(rows, np.int64), np.empty(rows, np.bool_),
+                                          np.empty(rows))
     objective = rows / fixed if fixed > 0 else 0.0
     for _ in range(4):  # converges in a few rounds
         current = objective
         threshold = current * per_token
-        for row in range(rows):
-            chosen = 0
-            worth = 0.0
-            kept = True
+        if positions < PAIRWISE_FROM:
+            # Position by position over all rows (branch-free, so compiled
+            # to vector code); each row's worth still sums left to right.
+            chosen_rows[:] = 0
+            kept_rows[:] = True
+            worth_rows[:] = 0.0
             for position in range(positions):
-                margin = weighted[row, position] - threshold
-                kept = kept and margin > 0 and position < steps
-                product = margin * (1.0 if kept else 0.0)
-                if positions >= PAIRWISE_FROM:
-                    position_buffer[position] = product
-                elif position == 0:
-                    worth = product
-                else:
-                    worth = worth + product
-                chosen += kept
-            if positions >= PAIRWISE_FROM:
-                worth = pairwise_sum(position_buffer, positions)
-            if not worth > (current * resume[row] if resumes else 0.0):
-                chosen = 0
-            if has_must and must[row] and chosen < 1:
-                chosen = 1
+                in_steps = position < steps
+                for row in range(rows):
+                    margin = weighted[position, row] - threshold
+                    kept = kept_rows[row] & (margin > 0) & in_steps
+                    kept_rows[row] = kept
+                    product = margin * (1.0 if kept else 0.0)
+                    worth_rows[row] = product if position == 0 else worth_rows[row] + product
+                    chosen_rows[row] += kept
+        else:
+            for row in range(rows):
+                chosen, kept = 0, True
+                for position in range(positions):
+                    margin = weighted[position, row] - threshold
+                    kept = kept & (margin > 0) & (position < steps)
+                    position_buffer[position] = margin * (1.0 if kept else 0.0)
+                    chosen += kept
+                chosen_rows[row] = chosen
+                worth_rows[row] = pairwise_sum(position_buffer, positions)
+        total, resuming, uniform = 0, 0, True
+        for row in range(rows):
+            chosen = chosen_rows[row]
+            # A row drafts when its kept positions are worth its resumption.
+            chosen = chosen if worth_rows[row] > (current * resume[row] if resumes else 0.0) else 0
+            if has_must:
+                chosen = max(chosen, 1) if must[row] else chosen
             lengths[row] = chosen
-        new = _goodput(batch, positions, lengths, fixed, True)
+            total += chosen
+            if resumes:
+                resume_buffer[resuming] = resume[row]
+                resuming += chosen > 0
+            uniform &= chosen == uniform_length
+            if positions < PAIRWISE_FROM:
+                row_buffer[row] = weighted_table[row, chosen]
+            else:
+                row_buffer[row] = _accepted(survival, row, positions, chosen,
+                                            position_buffer) / scale[row]
+        # The plan's price: _goodput(batch, positions, lengths, fixed, True).
+        seconds = fixed + per_token * total
+        if resumes:
+            seconds = seconds + pairwise_sum(resume_buffer, resuming)
+        if uniform_length >= 0:
+            seconds = seconds - (piecewise_cost if uniform else 0.0)
+        gained = rows + pairwise_sum(row_buffer, rows)
+        new = gained / seconds if seconds > 0 else 0.0
         if abs(new - current) <= 1e-9 * max(new, 1.0):
             return current
         objective = new
     return objective
+
+
+@njit(cache=True)
+def _accepted(survival, row, positions, length, position_buffer):
+    """A row's expected accepted drafts at ``length``, summed pairwise over
+    ``positions`` positions (from 8 positions on, as numpy summed them)."""
+    for position in range(positions):
+        position_buffer[position] = survival[row, position] * (
+            1.0 if position < length else 0.0)
+    return pairwise_sum(position_buffer, positions)
 
 
 @njit(cache=True)

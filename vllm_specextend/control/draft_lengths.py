@@ -20,7 +20,7 @@ from vllm_specextend.control.cost_model import StepCostModel
 from vllm_specextend.control.kernel_args import flags, floats
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DraftPlan:
     """Drafts per request for the next verification, and what it is expected to give."""
 

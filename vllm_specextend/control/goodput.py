@@ -29,8 +29,6 @@ Its parts: ``cost_model``, ``acceptance``, ``draft_lengths`` (the choice),
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from vllm_specextend.control.acceptance import AcceptanceEstimates
@@ -253,8 +251,8 @@ class GoodputController(ForcedDrafts):
             if prefilling:
                 verifying, _, drafting = self._row_flags[:3, :num_requests]
                 resume = None if catch_up_gaps is None else self._row_seconds[1, :num_requests]
-                plan = replace(plan, draft_prefill=self._prompt_through_draft(
-                    survival, drafting, resume, ~verifying, query_lens, num_requests))
+                plan.draft_prefill = self._prompt_through_draft(
+                    survival, drafting, resume, ~verifying, query_lens, num_requests)
         if exploring:
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
         self._plans += 1
@@ -293,8 +291,8 @@ class GoodputController(ForcedDrafts):
         self.stats.probes += probes
         self.stats.drafted_request_steps += drafted
         self.stats.paused_request_steps += paused
-        return DraftPlan(plan.draft_lengths, plan.draft_steps, plan.expected_goodput, limits,
-                         plan.draft_prefill)
+        plan.catch_up_limits = limits
+        return plan
 
     def finish(self, req_ids: list[str]) -> None:
         """Requests that left the batch (finished or aborted): their slots

@@ -57,7 +57,7 @@ class ControlParameters:
     """The step-cost model's ridge term (relative to its data)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutcome:
     """What the engine did with the last plan, beyond the lengths the next
     plan's batch shows (None: not reported)."""

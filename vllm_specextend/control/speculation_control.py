@@ -53,7 +53,7 @@ from vllm_specextend.control.kernel_args import ints
 from vllm_specextend.core.request_slots import RequestSlots
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CatchUp:
     """What this step's first pass catches up (:meth:`SpeculationControl.catch_up`)."""
 

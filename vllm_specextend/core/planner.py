@@ -327,7 +327,6 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
             # A fill through device indices (a Python scalar through an
             # index would be copied to the device, blocking).
             self._score_sums.index_fill_(0, due_slots, 0.0)
-        self._note_retrievals(step)
         if not self.compact_positions:
             return []
         # Kept context before the query: at most the working cache.

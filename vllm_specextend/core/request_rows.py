@@ -27,8 +27,8 @@ from vllm_specextend.core.refresh import REFRESH_CAUSES, AcceptanceTrend
 from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.row_kernels import (
     NO_REFRESH,
-    advance_retrieval_rows,
     classify_rows,
+    classify_step,
     int64s,
     note_retrievals,
     reset_slots,
@@ -67,7 +67,7 @@ def _rows() -> np.ndarray:
     return _NO_ROWS
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRows:
     """This step's rows (numpy arrays of batch rows), classified on the host
     (no device reads)."""
@@ -100,7 +100,7 @@ class StepRows:
         return not self.retrieval_rows.size and not self.windowed_prefill_rows.size
 
 
-@dataclass
+@dataclass(slots=True)
 class StagedRows:
     """Device index tensors of the classified rows and their request slots."""
 
@@ -143,37 +143,51 @@ class RequestRows:
         """Retrievals by cause."""
         self._acceptance: list[AcceptanceTrend | None] = [None] * capacity
         """Observed only with ``retrieval_refresh: acceptance``."""
+        self._row_state = (self._tracked, self._decoded, self._steps_since_retrieval,
+                           self._has_selection, self._area_of_slot, self._refresh_counts)
+        self._step_refreshes = np.zeros(len(REFRESH_CAUSES), dtype=np.int64)
+        """A step's retrievals by cause."""
         warm_up_row_kernels()
 
     def _classify_rows(self, batch: PlanningBatch, slots: np.ndarray) -> StepRows:
         """Host-side, over per-slot state (``slots``: the rows'), compiled
         (``core/row_kernels.py``): which rows retrieve, which are due, which
-        prefill windowed; tracks new requests and drops prefilling ones."""
+        prefill windowed; tracks new requests, drops prefilling ones, and
+        notes the retrievals of the rows due (they retrieve this step)."""
         config = self.config
-        seq_lens, is_decode, beyond_window, rows, prompt_chunks = classify_rows(
+        acceptance = config.retrieval_refresh == "acceptance"
+        counts = self._step_refreshes
+        counts.fill(0)
+        (seq_lens, is_decode, beyond_window, prompt_chunks, rows, retrieval_slots, causes,
+         due_rows, due_slots, due_causes, new) = classify_step(
             int64s(batch.query_lens_cpu), int64s(batch.context_lens_cpu),
-            int64s(batch.prompt_lens_cpu), self.max_num_speculative_tokens,
+            int64s(batch.prompt_lens_cpu), slots, self.max_num_speculative_tokens,
             # Prefill rows get no retrieval: the draft writes their KV once,
             # and would keep KV computed from partial context for good.
-            max(config.min_context_tokens, 1), self.draft_window, self.compact_positions)
-        step = StepRows(seq_lens=seq_lens, slots=slots)
+            max(config.min_context_tokens, 1), self.draft_window, self.compact_positions,
+            self._row_state, config.retrieval_interval, not acceptance, counts)
+        # Every field given: no default factory runs.
+        step = StepRows(retrieval_rows=rows, retrieval_slots=retrieval_slots, due_rows=due_rows,
+                        due_slots=due_slots, due_causes=due_causes,
+                        windowed_prefill_rows=_NO_ROWS, last_prompt_chunk_rows=_NO_ROWS,
+                        seq_lens=seq_lens, slots=slots, private_rows=_NO_ROWS)
         if prompt_chunks:
             self._classify_prompt_chunks(step, slots, is_decode, beyond_window,
                                          seq_lens >= batch.prompt_lens_cpu)
-        slots = slots[rows]
-        causes, new = advance_retrieval_rows(
-            slots, self._tracked, self._decoded, self._steps_since_retrieval,
-            self._has_selection, self._area_of_slot, self._refresh_counts,
-            config.retrieval_interval)
         if new.size:
             self._start_tracking(new)
-        if config.retrieval_refresh == "acceptance":
-            self._acceptance_refreshes(batch, rows, slots, causes)
-        due = np.flatnonzero(causes != NO_REFRESH)
-        step.retrieval_rows, step.retrieval_slots = rows, slots
-        step.due_rows, step.due_slots, step.due_causes = rows[due], slots[due], causes[due]
+        if acceptance:
+            self._acceptance_refreshes(batch, rows, retrieval_slots, causes)
+            due = np.flatnonzero(causes != NO_REFRESH)
+            step.due_rows, step.due_slots, step.due_causes = (
+                rows[due], retrieval_slots[due], causes[due])
+            self._note_retrievals(step)
+        elif due_rows.size:
+            refreshes = self.stats.refreshes
+            for cause, count in zip(REFRESH_CAUSES, counts.tolist()):
+                refreshes[cause] += count
         if self.private_layouts is not None:
-            private = rows[self._area_of_slot[slots] >= 0]
+            private = rows[self._area_of_slot[retrieval_slots] >= 0]
             if step.private_rows.size:
                 private = np.sort(np.concatenate((private, step.private_rows)))
             step.private_rows = private
@@ -184,6 +198,11 @@ class RequestRows:
                                 ends_prompt: np.ndarray) -> None:
         """Prompt chunks (few rows a step): a request starts over, or, with
         compact positions beyond the window, prefills windowed."""
+        if not self.compact_positions:  # nothing prefills windowed
+            prompt_slots = slots[~is_decode]
+            for slot in prompt_slots[self._tracked[prompt_slots]].tolist():
+                self._forget(slot)
+            return
         windowed_rows, last_chunk_rows, private_rows = [], [], []
         for row in np.flatnonzero(~is_decode).tolist():
             slot = int(slots[row])
@@ -214,7 +233,9 @@ class RequestRows:
                 causes[index] = _ACCEPTANCE
 
     def _note_retrievals(self, step: StepRows) -> None:
-        """Host bookkeeping of the rows that retrieved: new selections, by cause."""
+        """Host bookkeeping of the rows due (they retrieve this step): new
+        selections, by cause (``retrieval_refresh: acceptance``; otherwise
+        :func:`~vllm_specextend.core.row_kernels.classify_step` notes them)."""
         counts = np.zeros(len(REFRESH_CAUSES), dtype=np.int64)
         note_retrievals(step.due_slots, step.due_causes, self._has_selection,
                         self._steps_since_retrieval, self._refresh_counts, counts)

@@ -84,11 +84,16 @@ class RequestSlots:
         if req_ids == self._last_ids:
             return self._last_slots
         rows = np.array(req_ids, dtype=object)
-        slots = self._last_slots[:len(rows)].copy()
-        if len(slots) < len(rows):
-            slots = np.concatenate((slots, np.zeros(len(rows) - len(slots), np.int64)))
-        changed = np.flatnonzero(rows[:len(self._last_rows)] != self._last_rows[:len(rows)])
-        changed = np.concatenate((changed, np.arange(len(self._last_rows), len(rows))))
+        last = len(self._last_rows)
+        if last == len(rows):  # most steps: rows replaced or moved
+            slots = self._last_slots.copy()
+            changed = (rows != self._last_rows).nonzero()[0]
+        else:
+            kept = min(last, len(rows))
+            slots = np.zeros(len(rows), dtype=np.int64)
+            slots[:kept] = self._last_slots[:kept]
+            changed = np.concatenate(((rows[:kept] != self._last_rows[:kept]).nonzero()[0],
+                                      np.arange(kept, len(rows))))
         get = self._slot_of.get
         slots[changed] = [get(req_id, -1) for req_id in rows[changed].tolist()]
         gone, new_rows = settle_slots(slots, self._live, self._arrival, self._free,

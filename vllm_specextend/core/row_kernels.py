@@ -108,6 +108,47 @@ def note_retrievals(due_slots, due_causes, has_selection, steps_since_retrieval,
         counts_by_cause[cause] += 1
 
 
+@njit(cache=True)
+def classify_step(query_lens, context_lens, prompt_lens, slots, max_num_speculative_tokens,
+                  min_context_tokens, draft_window, compact_positions, state,
+                  retrieval_interval, note, counts_by_cause):
+    """A step's rows in one call: :func:`classify_rows`, then
+    :func:`advance_retrieval_rows` over the retrieval rows' slots (of
+    ``slots``, the rows'), the rows due and, with ``note``, their
+    :func:`note_retrievals`. ``state``: the planner's per-slot ``(tracked,
+    decoded, steps since retrieval, has selection, area, retrievals by
+    cause)``. Returns ``(seq_lens, is_decode, beyond_window, prompt chunks,
+    retrieval rows, their slots, their causes, due rows, due slots, due
+    causes, new slots)``."""
+    tracked, decoded, steps_since_retrieval, has_selection, area_of_slot, refresh_counts = state
+    seq_lens, is_decode, beyond_window, rows, prompt_chunks = classify_rows(
+        query_lens, context_lens, prompt_lens, max_num_speculative_tokens, min_context_tokens,
+        draft_window, compact_positions)
+    retrieving = rows.shape[0]
+    retrieval_slots = np.empty(retrieving, np.int64)
+    for index in range(retrieving):
+        retrieval_slots[index] = slots[rows[index]]
+    causes, new = advance_retrieval_rows(retrieval_slots, tracked, decoded,
+                                         steps_since_retrieval, has_selection, area_of_slot,
+                                         refresh_counts, retrieval_interval)
+    due = 0
+    for index in range(retrieving):
+        due += causes[index] != NO_REFRESH
+    due_rows, due_slots, due_causes = (np.empty(due, np.int64), np.empty(due, np.int64),
+                                       np.empty(due, np.int64))
+    due = 0
+    for index in range(retrieving):
+        if causes[index] != NO_REFRESH:
+            due_rows[due], due_slots[due] = rows[index], retrieval_slots[index]
+            due_causes[due] = causes[index]
+            due += 1
+    if note:
+        note_retrievals(due_slots, due_causes, has_selection, steps_since_retrieval,
+                        refresh_counts, counts_by_cause)
+    return (seq_lens, is_decode, beyond_window, prompt_chunks, rows, retrieval_slots, causes,
+            due_rows, due_slots, due_causes, new)
+
+
 def warm_up_row_kernels() -> None:
     """Compile (or load) the kernels for the argument types the planner passes."""
     ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
@@ -117,3 +158,6 @@ def warm_up_row_kernels() -> None:
                            ints.copy(), counts, 1)
     reset_slots(ints, flags.copy(), flags.copy(), ints.copy(), flags.copy(), ints.copy(), counts)
     note_retrievals(ints, ints, flags.copy(), ints.copy(), counts, np.zeros(3, dtype=np.int64))
+    classify_step(ints, ints, ints, ints, 1, 1, 1, False, (
+        flags.copy(), flags.copy(), ints.copy(), flags.copy(), ints.copy(), counts), 1, True,
+        np.zeros(3, dtype=np.int64))

@@ -91,8 +91,8 @@ class IndexStager:
         rows comes round again, ``depth`` steps on)."""
         return self.stage(values)[0]
 
-    def stage(self, *lists: list[int] | np.ndarray) -> list[torch.Tensor]:
-        """Several lists with one copy (they lie back to back)."""
+    def stage(self, *lists: list[int] | np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Several lists with one copy (they lie back to back) and one split."""
         if self._lists + len(lists) > self.lists_per_step:
             raise RuntimeError(
                 f"more than {self.lists_per_step} index lists staged in one step"
@@ -105,7 +105,7 @@ class IndexStager:
             row[end:end + length] = values
             end += length
         self._end = end
-        device_rows = self._device_sets[self._set][start:end]
+        device_set = self._device_sets[self._set]
         if self._device is not self._host:
-            device_rows.copy_(self._host_sets[self._set][start:end], non_blocking=True)
-        return list(device_rows.split(lengths))
+            device_set[start:end].copy_(self._host_sets[self._set][start:end], non_blocking=True)
+        return device_set.split_with_sizes([start, *lengths, len(device_set) - end])[1:-1]
