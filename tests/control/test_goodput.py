@@ -48,6 +48,37 @@ def test_the_cost_model_learns_a_step_cost_per_number_of_draft_steps():
     assert model.weights == pytest.approx(truth, rel=0.05)
 
 
+@pytest.mark.parametrize("piecewise_step", [False, True])
+def test_the_compiled_fit_is_the_ridge_regressions_solution(piecewise_step):
+    # The numpy formulation it replaced, step by step: the same Gram matrix
+    # and moments bit for bit; LAPACK's solve within rounding.
+    model = StepCostModel(K, piecewise_step=piecewise_step)
+    gram, moment = np.zeros_like(model._gram), np.zeros_like(model._moment)
+    weights = np.zeros_like(model.weights)
+    clipped = False
+    rng = np.random.default_rng(int(piecewise_step))
+    for _ in range(300):
+        features = model.features(int(rng.integers(1, 400)), int(rng.integers(0, K + 1)),
+                                  int(rng.integers(0, 50)) * int(rng.random() < 0.3),
+                                  bool(rng.random() < 0.5))
+        # Costs that a linear model misses, so that some weights clip at 0.
+        seconds = float(rng.uniform(0.001, 0.1))
+        model.observe(features, seconds)
+        gram = model.forgetting * gram + np.outer(features, features)
+        moment = model.forgetting * moment + features * seconds
+        ridge = model.ridge * max(float(np.trace(gram)), 1.0)
+        weights = np.linalg.solve(gram + ridge * np.eye(len(features)),
+                                  moment + ridge * weights)
+        clipped |= (weights[:3] < 0).any()
+        weights[:3] = np.maximum(weights[:3], 0.0)
+        if piecewise_step:
+            weights[-1] = max(weights[-1], 0.0)
+        assert np.array_equal(model._gram, gram) and np.array_equal(model._moment, moment)
+        assert model.weights == pytest.approx(weights, rel=1e-6, abs=1e-12)
+        weights = model.weights.copy()  # each step from the same start
+    assert clipped  # the clipping was exercised
+
+
 def test_drafting_that_does_not_pay_is_switched_off():
     # A draft forward costs more than the target's step: even sure drafts
     # cannot pay (k + 1 tokens for more than k + 1 steps' time).

@@ -103,6 +103,69 @@ def fixed_seconds(weights, max_draft_steps, base_tokens, max_k, free_pause, piec
     return fixed
 
 
+@njit(cache=True)
+def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, piecewise_step):
+    """One step of the exponentially weighted ridge regression: ``gram``,
+    ``moment`` and ``seen`` updated in place (the sums numpy made: each
+    entry ``forgetting * old + new``), the new weights returned. The ridge
+    scales with the data so it stays a tie-breaker; it pulls towards the
+    current ``weights``: a cost the recent steps no longer show (a number of
+    draft steps not run for hundreds of paused steps) keeps what was learnt,
+    instead of decaying to free. The base and per-token costs are clipped at
+    zero, and with ``piecewise_step`` the last one."""
+    num = features.shape[0]
+    trace = 0.0
+    for i in range(num):
+        for j in range(num):
+            gram[i, j] = forgetting * gram[i, j] + features[i] * features[j]
+        moment[i] = forgetting * moment[i] + features[i] * seconds
+        seen[i] |= features[i] != 0
+        trace += gram[i, i]
+    scaled = ridge * (1.0 if 1.0 > trace else trace)  # Python's max(trace, 1.0)
+    system = gram.copy()
+    rhs = np.empty(num)
+    for i in range(num):
+        system[i, i] += scaled
+        rhs[i] = moment[i] + scaled * weights[i]
+    solution = _solve_small(system, rhs)
+    for i in range(min(NUM_LINEAR_FEATURES, num)):
+        if solution[i] < 0.0:
+            solution[i] = 0.0
+    if piecewise_step and solution[num - 1] < 0.0:
+        solution[num - 1] = 0.0
+    return solution
+
+
+@njit(cache=True)
+def _solve_small(system, rhs):
+    """``system @ x = rhs`` for a few unknowns, by Gaussian elimination with
+    partial pivoting (as LAPACK's ``gesv``; overwrites both)."""
+    num = rhs.shape[0]
+    for k in range(num):
+        pivot = k
+        for i in range(k + 1, num):
+            if abs(system[i, k]) > abs(system[pivot, k]):
+                pivot = i
+        if system[pivot, k] == 0.0:
+            raise ValueError("the step-cost system is singular")
+        if pivot != k:
+            for j in range(num):
+                system[k, j], system[pivot, j] = system[pivot, j], system[k, j]
+            rhs[k], rhs[pivot] = rhs[pivot], rhs[k]
+        for i in range(k + 1, num):
+            factor = system[i, k] / system[k, k]
+            for j in range(k + 1, num):
+                system[i, j] -= factor * system[k, j]
+            rhs[i] -= factor * rhs[k]
+    solution = np.empty(num)
+    for i in range(num - 1, -1, -1):
+        total = rhs[i]
+        for j in range(i + 1, num):
+            total -= system[i, j] * solution[j]
+        solution[i] = total / system[i, i]
+    return solution
+
+
 class StepCostModel:
     """Seconds per engine step, ``features . weights``, learnt online.
 
@@ -132,26 +195,17 @@ class StepCostModel:
         """Features some observed step had."""
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
-        self._gram = self.forgetting * self._gram + np.outer(features, features)
-        self._moment = self.forgetting * self._moment + features * seconds
+        """Learn one step's cost (compiled, :func:`fit_step`)."""
+        self.weights = fit_step(self._gram, self._moment, self.seen, self.weights,
+                                np.ascontiguousarray(features, dtype=np.float64),
+                                float(seconds), self.forgetting, self.ridge, self.piecewise_step)
         self.observations += 1
-        self.seen |= features != 0
-        # Scale the ridge with the data so it stays a tie-breaker. It pulls
-        # towards the current weights: a cost the recent steps no longer show
-        # (a number of draft steps not run for hundreds of paused steps) keeps
-        # what was learnt, instead of decaying to free.
-        ridge = self.ridge * max(float(np.trace(self._gram)), 1.0)
-        regularised = self._gram + ridge * np.eye(len(features))
-        weights = np.linalg.solve(regularised, self._moment + ridge * self.weights)
-        weights[:NUM_LINEAR_FEATURES] = np.maximum(weights[:NUM_LINEAR_FEATURES], 0.0)
-        if self.piecewise_step:
-            weights[-1] = max(weights[-1], 0.0)
-        self.weights = weights
 
     def knows(self, features: np.ndarray) -> bool:
         """Whether recent steps showed every feature ``features`` has (about
         one step's weight at least since forgetting)."""
-        return bool((np.diag(self._gram)[features != 0] >= 1.0).all())
+        return all(weight >= 1.0 for weight, feature in zip(np.diag(self._gram).tolist(),
+                                                            features.tolist()) if feature)
 
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self.weights
@@ -186,3 +240,5 @@ def warm_up_cost_model() -> None:
     weights = np.zeros(NUM_LINEAR_FEATURES + 2)
     step_seconds(weights, 1, 1, 1, 0, False)
     fixed_seconds(weights, 1, 1, 1, True, False)
+    fit_step(np.zeros((5, 5)), np.zeros(5), np.zeros(5, dtype=bool), weights, np.ones(5), 0.1,
+             0.98, 1e-6, False)
