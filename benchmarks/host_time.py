@@ -273,7 +273,7 @@ def measure(args) -> dict:
 
 
 GOODPUT_FUNCTIONS = {
-    "control": ("_advance_frontiers", "_keep_lagging_blocks"),
+    "control": ("_advance_frontiers", "_end_step"),
     # admit: the request slots' update, arrivals and departures included.
     "controller": ("admit", "_observe_cost", "_explore", "_settle", "_noted"),
 }

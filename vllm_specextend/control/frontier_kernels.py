@@ -111,6 +111,21 @@ def keep_lagging_blocks(slots, table, size, starts, seq_lens, limits, gaps, runs
 
 
 @njit(cache=True)
+def end_step(slots, runs, synced, keep_blocks, table, size, starts, context_lens, query_lens,
+             limits, gaps, lagging, lag_table, lag_start, lag_end):
+    """After a plan: only the rows of a forward that runs are synced, and
+    with ``keep_blocks`` the lagging blocks are kept
+    (:func:`keep_lagging_blocks`, of each row's ``context + query``)."""
+    synced[:] = False
+    if runs:
+        for slot in slots:
+            synced[slot] = True
+    if keep_blocks:
+        keep_lagging_blocks(slots, table, size, starts, context_lens + query_lens, limits, gaps,
+                            runs, lagging, lag_table, lag_start, lag_end)
+
+
+@njit(cache=True)
 def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag_end):
     """Requests that left: returns the blocks of those left behind their
     frontier (lagging, not synced), and clears their state."""
@@ -129,10 +144,12 @@ def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag
 
 
 @njit(cache=True)
-def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size):
+def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size,
+                  commit):
     """What a first pass catches up per row (see ``SpeculationControl.catch_up``):
     ``(starts, behind, tokens, holes)``, ``tokens`` -1 when no row has a
-    gap. ``limits``, ``table``: empty when none."""
+    gap. ``limits``, ``table``: empty when none. With ``commit``, the rows
+    left behind are no longer synced (``commit_catch_up``'s first part)."""
     rows = slots.shape[0]
     full, gaps = np.empty(rows, np.int64), np.empty(rows, np.int64)
     behind = np.zeros(rows, np.bool_)
@@ -145,6 +162,8 @@ def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, ta
             gaps[row] = min(gaps[row], limits[row])
         total += gaps[row]
         some |= gaps[row] != 0
+        if commit and behind[row]:
+            synced[slots[row]] = False
     if not some:
         return context_lens - gaps, behind, -1, np.empty(0, np.int64)
     if total > budget:
@@ -176,7 +195,9 @@ def warm_up_frontier_kernels() -> None:
         filled_blocks(table, ints, ints, ints, flags, 1, 16, 0, 1)
         keep_lagging_blocks(ints, table, 16, ints, ints, ints, ints, True, flags.copy(),
                             np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
-        catch_up_rows(ints, ints, ints, -1, ints, 8, flags, table, 16)
+        catch_up_rows(ints, ints, ints, -1, ints, 8, flags.copy(), table, 16, False)
+        end_step(ints, True, flags.copy(), True, table, 16, ints, ints, ints, ints, ints,
+                 flags.copy(), np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
     new_rows(ints, ints, flags)
     advance_frontiers(ints, ints, ints, 1, ints, -1, ints.copy(), flags.copy(), flags.copy())
     forget(ints, ints.copy(), flags.copy(), flags.copy(), flags.copy(),

@@ -38,9 +38,9 @@ from vllm_specextend.control.frontier_kernels import (
     advance_frontiers,
     block_ranges,
     catch_up_rows,
+    end_step,
     filled_blocks,
     forget,
-    keep_lagging_blocks,
     new_rows,
     warm_up_frontier_kernels,
 )
@@ -179,12 +179,7 @@ class SpeculationControl:
         self.controller.observe(StepOutcome(
             draft_forwards=max(plan.draft_steps, 1) if runs else 0,
             deferred_prefill_tokens=deferred_tokens))
-        self._synced[:] = False
-        if runs:
-            self._synced[slots] = True
-        if self._blocks is not None:
-            self._keep_lagging_blocks(slots, starts, context_lens + query_lens, runs,
-                                      plan.catch_up_limits, gaps)
+        self._end_step(slots, runs, starts, context_lens, query_lens, plan.catch_up_limits, gaps)
         return plan, runs
 
     def _forget(self, left: list[str], slots: np.ndarray) -> None:
@@ -245,19 +240,21 @@ class SpeculationControl:
                                       np.concatenate([stale, live])))
         return int(hits[0]) * size if hits.size else context_len
 
-    def _keep_lagging_blocks(self, slots: np.ndarray, starts: np.ndarray,
-                             seq_lens: np.ndarray, runs: bool, limits: np.ndarray | None,
-                             gaps: np.ndarray) -> None:
-        """Per request left behind its frontier (``starts``) by this step
-        (its forward did not run, or its catch-up ``limits`` leave part of
-        its ``gaps``): its blocks from the frontier's on (the others' are
-        written by this step)."""
-        table, size = self._blocks
-        if self._lag_table.shape[1] != table.shape[1]:
+    def _end_step(self, slots: np.ndarray, runs: bool, starts: np.ndarray,
+                  context_lens: np.ndarray, query_lens: np.ndarray, limits: np.ndarray | None,
+                  gaps: np.ndarray) -> None:
+        """Only the requests of a forward that runs are synced; with block
+        tables kept, per request left behind its frontier (``starts``) by
+        this step (its forward did not run, or its catch-up ``limits``
+        leave part of its ``gaps``): its blocks from the frontier's on (the
+        others' are written by this step). One compiled call
+        (:func:`~vllm_specextend.control.frontier_kernels.end_step`)."""
+        table, size = _NO_TABLE if self._blocks is None else self._blocks
+        if self._blocks is not None and self._lag_table.shape[1] != table.shape[1]:
             self._lag_table = np.zeros((len(self._lagging), table.shape[1]), dtype=np.int64)
-        keep_lagging_blocks(slots, table, size, starts, seq_lens,
-                            _NO_LIMITS if limits is None else limits, gaps, runs,
-                            self._lagging, self._lag_table, self._lag_start, self._lag_end)
+        end_step(slots, runs, self._synced, self._blocks is not None, table, size, starts,
+                 context_lens, query_lens, _NO_LIMITS if limits is None else limits, gaps,
+                 self._lagging, self._lag_table, self._lag_start, self._lag_end)
 
     def catch_up(self, req_ids: list[str], context_lens: np.ndarray,
                  budget: int) -> CatchUp:
@@ -266,6 +263,12 @@ class SpeculationControl:
         or its most recent tokens within the plan's limit (the row then stays
         behind its frontier) and, for all rows together, ``budget`` tokens
         (beyond it, and beyond a head's kept positions, holes stay holes)."""
+        return self._catch_up(req_ids, context_lens, budget, commit=False)
+
+    def _catch_up(self, req_ids: list[str], context_lens: np.ndarray, budget: int,
+                  commit: bool) -> CatchUp:
+        """:meth:`catch_up`; with ``commit``, the rows left behind are
+        un-synced as :meth:`commit_catch_up` does."""
         slots = self.controller.slots(req_ids)
         limits = _NO_LIMITS
         if self._limits is not None:
@@ -277,7 +280,7 @@ class SpeculationControl:
         starts, behind, tokens, holes = catch_up_rows(
             slots, ints(context_lens), self._frontier,
             -1 if self.max_catch_up is None else self.max_catch_up, limits, budget,
-            self._synced, table, size)
+            self._synced, table, size, commit)
         if tokens < 0:
             return CatchUp(None, behind, slots, holes, 0)
         return CatchUp(starts, behind, slots, holes, tokens)
@@ -286,6 +289,10 @@ class SpeculationControl:
         """Rows left behind keep their frontier (not synced); holes turn
         stale at the next plan; the controller learns the tokens' cost."""
         self._synced[catch_up.slots[catch_up.behind]] = False
+        self._commit_tokens(catch_up)
+
+    def _commit_tokens(self, catch_up: CatchUp) -> None:
+        """:meth:`commit_catch_up` after its rows left behind were un-synced."""
         if catch_up.starts is None:
             return
         self._holes += catch_up.holes.tolist()
@@ -296,8 +303,8 @@ class SpeculationControl:
         """:meth:`catch_up` and :meth:`commit_catch_up` in one: per row, the
         first position the forward must process, or None when nothing is
         caught up."""
-        catch_up = self.catch_up(req_ids, context_lens, budget)
-        self.commit_catch_up(catch_up)
+        catch_up = self._catch_up(req_ids, context_lens, budget, commit=True)
+        self._commit_tokens(catch_up)  # the kernel un-synced the rows left behind
         return catch_up.starts
 
     def frontiers(self, req_ids: list[str]) -> np.ndarray:
