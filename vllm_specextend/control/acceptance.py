@@ -6,9 +6,9 @@ operations per verified row."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from vllm_specextend.control.kernel_args import flags, ints
+from vllm_specextend.core.compiled import compiled
 
 PROBE_SMOOTHING = 0.5
 """EWMA weight of a probe's outcome (a drafting request's outcomes weigh
@@ -53,7 +53,7 @@ class AcceptanceEstimates:
                 float(self.probe_smoothing), self._survival)
 
 
-@njit(cache=True)
+@compiled
 def _observe_row(rates, slot, drafted, accepted, beta, tried, hits):
     """One verification's EWMA update; counts its tried and accepted positions."""
     for position in range(min(accepted + 1, drafted, rates.shape[1])):
@@ -63,7 +63,7 @@ def _observe_row(rates, slot, drafted, accepted, beta, tried, hits):
         hits[position] += hit
 
 
-@njit(cache=True)
+@compiled
 def _observe_engine(engine_rates, tried, hits, smoothing):
     """The engine-wide estimate follows the mean outcome of each position tried."""
     for position in range(engine_rates.shape[0]):
@@ -72,7 +72,7 @@ def _observe_engine(engine_rates, tried, hits, smoothing):
                                       + smoothing * (hits[position] / tried[position]))
 
 
-@njit(cache=True)
+@compiled
 def _observe_outcomes(rates, engine_rates, slots, drafted, accepted, probed, smoothing,
                       probe_smoothing):
     tried = np.zeros(rates.shape[1], np.int64)
@@ -84,7 +84,7 @@ def _observe_outcomes(rates, engine_rates, slots, drafted, accepted, probed, smo
     _observe_engine(engine_rates, tried, hits, smoothing)
 
 
-@njit(cache=True)
+@compiled
 def observe_verified(rates, engine_rates, slots, context_lens, query_lens, decoding,
                      last_context, verified_drafts, verified_probe, probed, smoothing,
                      probe_smoothing):
@@ -110,7 +110,7 @@ def observe_verified(rates, engine_rates, slots, context_lens, query_lens, decod
     _observe_engine(engine_rates, tried, hits, smoothing)
 
 
-@njit(cache=True)
+@compiled
 def survival_rows(rates, slots, out):
     """``np.cumprod(rates[slots], axis=1)``, into ``out``'s first rows."""
     for row in range(slots.shape[0]):

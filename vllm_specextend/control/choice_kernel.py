@@ -16,16 +16,16 @@ on disk), at the controller's construction (:func:`warm_up_choice`).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from vllm_specextend.control.cost_model import fixed_seconds
+from vllm_specextend.core.compiled import compiled
 
 PAIRWISE_FROM = 8
 """numpy sums this many contiguous numbers or more pairwise."""
 _PAIRWISE_BLOCK = 128
 
 
-@njit(cache=True)
+@compiled
 def pairwise_sum(values, n):
     """``values[:n].sum()`` as numpy computes it: an initial 0.0 plus the
     pairwise sum (halves, down to blocks of at most 128 summed by eight
@@ -67,7 +67,7 @@ def pairwise_sum(values, n):
         depth += 1
 
 
-@njit(cache=True)
+@compiled
 def _block_sum(values, start, n):
     """numpy's pairwise sum of at most 128 numbers."""
     if n < 8:
@@ -96,7 +96,7 @@ def _block_sum(values, start, n):
     return total
 
 
-@njit(cache=True)
+@compiled
 def _goodput(batch, positions, lengths, fixed, weighted):
     """Expected tokens per second of one plan (``lengths``) of ``fixed``
     seconds besides its tokens, over ``positions`` draft positions;
@@ -133,7 +133,7 @@ def _goodput(batch, positions, lengths, fixed, weighted):
     return gained / seconds if seconds > 0 else 0.0
 
 
-@njit(cache=True)
+@compiled
 def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost):
     """What every plan's price reads: ``survival`` weighted by ``scale``,
     the expected accepted drafts of a row drafting ``L`` (the sum of its
@@ -155,7 +155,7 @@ def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewis
             uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows), weighted_table)
 
 
-@njit(cache=True)
+@compiled
 def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     """Dinkelbach on the hysteresis-weighted goodput for ``steps`` draft
     steps: fills ``lengths``, returns the objective. A position is kept
@@ -230,7 +230,7 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     return objective
 
 
-@njit(cache=True)
+@compiled
 def _accepted(survival, row, positions, length, position_buffer):
     """A row's expected accepted drafts at ``length``, summed pairwise over
     ``positions`` positions (from 8 positions on, as numpy summed them)."""
@@ -240,7 +240,7 @@ def _accepted(survival, row, positions, length, position_buffer):
     return pairwise_sum(position_buffer, positions)
 
 
-@njit(cache=True)
+@compiled
 def _likeliest(survival, column):
     """``np.argmax(survival[:, column])``: the first maximum (or NaN)."""
     best = 0
@@ -256,7 +256,7 @@ def _likeliest(survival, column):
     return best
 
 
-@njit(cache=True)
+@compiled
 def _any(values):
     """``values.any()`` (NaN counts, as numpy's)."""
     for value in values:
@@ -265,7 +265,7 @@ def _any(values):
     return False
 
 
-@njit(cache=True)
+@compiled
 def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token, resume, must,
                    uniform_length, piecewise_cost):
     """``(draft lengths, draft steps, expected goodput)`` of the best plan
@@ -321,7 +321,7 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
     return best, best_steps, _goodput(batch, positions, best, fixed[best_steps], False)
 
 
-@njit(cache=True)
+@compiled
 def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_step,
                         num_requests, other_tokens, free_pause, hysteresis, draft_steps, resume,
                         must, uniform_draft_length):

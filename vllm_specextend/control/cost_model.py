@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from vllm_specextend.core.compiled import compiled
 
 
 def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:
@@ -69,7 +71,7 @@ def _fused_multiply_add(typingctx, a, b, c):
     return signature, codegen
 
 
-@njit(cache=True)
+@compiled
 def step_seconds(weights, max_draft_steps, verified_tokens, draft_steps, catch_up_tokens,
                  piecewise):
     """``step_features(...) @ weights`` without building the features: the
@@ -90,7 +92,7 @@ def step_seconds(weights, max_draft_steps, verified_tokens, draft_steps, catch_u
     return total
 
 
-@njit(cache=True)
+@compiled
 def fixed_seconds(weights, max_draft_steps, base_tokens, max_k, free_pause, piecewise):
     """``[max_k + 1]``: per number of draft steps ``D``, the predicted
     seconds of a step of ``base_tokens`` before its drafts' tokens
@@ -103,7 +105,7 @@ def fixed_seconds(weights, max_draft_steps, base_tokens, max_k, free_pause, piec
     return fixed
 
 
-@njit(cache=True)
+@compiled
 def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, piecewise_step):
     """One step of the exponentially weighted ridge regression: ``gram``,
     ``moment`` and ``seen`` updated in place (the sums numpy made: each
@@ -136,7 +138,7 @@ def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, 
     return solution
 
 
-@njit(cache=True)
+@compiled
 def _solve_small(system, rhs):
     """``system @ x = rhs`` for a few unknowns, by Gaussian elimination with
     partial pivoting (as LAPACK's ``gesv``; overwrites both)."""

@@ -10,10 +10,11 @@ and the lag table) are :class:`SpeculationControl`'s, updated in place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from vllm_specextend.core.compiled import compiled
 
 
-@njit(cache=True)
+@compiled
 def block_ranges(table, rows, first, end):
     """The block ids ``table[rows[i], first[i]:end[i]]`` of every ``i``, in
     that order (as a boolean mask over ``table`` picks them, row by row)."""
@@ -30,7 +31,7 @@ def block_ranges(table, rows, first, end):
     return blocks
 
 
-@njit(cache=True)
+@compiled
 def filled_blocks(table, slots, context_lens, frontier, synced, lead, size, start, stop):
     """The blocks the last forward filled in rows ``start .. stop - 1``:
     from a synced row's frontier to its verified tokens (and ``lead`` more)."""
@@ -46,7 +47,7 @@ def filled_blocks(table, slots, context_lens, frontier, synced, lead, size, star
     return block_ranges(table, rows[:count], first[:count], end[:count])
 
 
-@njit(cache=True)
+@compiled
 def new_rows(slots, frontier, synced):
     """Rows whose request is new to the draft (not synced, no frontier yet)."""
     rows = np.empty(slots.shape[0], np.int64)
@@ -58,7 +59,7 @@ def new_rows(slots, frontier, synced):
     return rows[:count]
 
 
-@njit(cache=True)
+@compiled
 def advance_frontiers(slots, context_lens, prompt_lens, lead, new_starts, cap, frontier,
                       synced, deferred):
     """Each request's frontier after the last step: a synced one's at its
@@ -89,7 +90,7 @@ def advance_frontiers(slots, context_lens, prompt_lens, lead, new_starts, cap, f
     return starts, gaps, whole, prefilling
 
 
-@njit(cache=True)
+@compiled
 def keep_lagging_blocks(slots, table, size, starts, seq_lens, limits, gaps, runs, lagging,
                         lag_table, lag_start, lag_end):
     """Per request behind its frontier (``starts``) after this step (its
@@ -110,7 +111,7 @@ def keep_lagging_blocks(slots, table, size, starts, seq_lens, limits, gaps, runs
             lag_end[slot] = -(-seq_lens[row] // size)
 
 
-@njit(cache=True)
+@compiled
 def end_step(slots, runs, synced, keep_blocks, table, size, starts, context_lens, query_lens,
              limits, gaps, lagging, lag_table, lag_start, lag_end):
     """After a plan: only the rows of a forward that runs are synced, and
@@ -125,7 +126,7 @@ def end_step(slots, runs, synced, keep_blocks, table, size, starts, context_lens
                             runs, lagging, lag_table, lag_start, lag_end)
 
 
-@njit(cache=True)
+@compiled
 def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag_end):
     """Requests that left: returns the blocks of those left behind their
     frontier (lagging, not synced), and clears their state."""
@@ -143,7 +144,7 @@ def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag
     return blocks
 
 
-@njit(cache=True)
+@compiled
 def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size,
                   commit):
     """What a first pass catches up per row (see ``SpeculationControl.catch_up``):

@@ -11,11 +11,11 @@ Per-slot state arrays are :class:`GoodputController`'s, updated in place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from vllm_specextend.control.acceptance import observe_verified, survival_rows
 from vllm_specextend.control.choice_kernel import choose_step_lengths
 from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, step_seconds
+from vllm_specextend.core.compiled import compiled
 
 UNLIMITED = np.iinfo(np.int64).max
 """A catch-up limit that is none."""
@@ -23,7 +23,7 @@ _MOST_AFFORDABLE = float(UNLIMITED // 2)
 _INT64_MIN = np.iinfo(np.int64).min
 
 
-@njit(cache=True)
+@compiled
 def step_rows(slots, context_lens, query_lens, prompt_lens, graph_query_len, drafted,
               estimates, verification, row_flags):
     """The step's rows, and what the step just verified shows. Per row (in
@@ -61,13 +61,13 @@ def step_rows(slots, context_lens, query_lens, prompt_lens, graph_query_len, dra
     return tokens, other, prefilling, uniform
 
 
-@njit(cache=True)
+@compiled
 def _clip_at_zero(value):
     """``np.maximum(value, 0.0)`` (NaN stays NaN)."""
     return value if (value >= 0.0 or value != value) else 0.0
 
 
-@njit(cache=True)
+@compiled
 def forced_seconds(weights, draft_steps, num_requests):
     """What a row's ``draft_steps`` forced drafts add to a step, catch-up
     aside: their verification and the row's share of the draft forwards."""
@@ -77,7 +77,7 @@ def forced_seconds(weights, draft_steps, num_requests):
     return draft_steps * weights[1] + forwards / num_requests
 
 
-@njit(cache=True)
+@compiled
 def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up):
     """``[rows]``: the budget covers ``draft_steps`` forced drafts and the
     least catch-up (``least`` tokens at ``per_catch_up`` seconds)."""
@@ -88,7 +88,7 @@ def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up)
     return covered
 
 
-@njit(cache=True)
+@compiled
 def catch_up_prices(weights, timed):
     """Seconds per caught-up token, and per token of a forced draft's
     catch-up (see ``ForcedDrafts._catch_up_seconds`` and
@@ -100,7 +100,7 @@ def catch_up_prices(weights, timed):
     return learnt, learnt
 
 
-@njit(cache=True)
+@compiled
 def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min_catch_up,
                 timed, probe_interval, weights, per_forced_token, per_token, row_flags,
                 row_ints, row_seconds):
@@ -133,7 +133,7 @@ def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min
             resume[row] = gaps[row] * per_token / horizon
 
 
-@njit(cache=True)
+@compiled
 def catch_up_limits(lengths, probing, chosen, budgets, least, weights, timed, per_catch_up):
     """Per row, the most tokens of its gap it catches up: all when drafting
     on its estimates, none when paused, and for forced drafts (probing, or
@@ -161,7 +161,7 @@ def catch_up_limits(lengths, probing, chosen, budgets, least, weights, timed, pe
     return limits
 
 
-@njit(cache=True)
+@compiled
 def note_plan(slots, lengths, probing, decoding, chosen, paused_steps, probe_after, drafted,
               probed, paused_state, probe_after_state, drafted_steps, paused_decode_steps,
               histogram, probe_interval, max_backoff):
@@ -200,7 +200,7 @@ def note_plan(slots, lengths, probing, decoding, chosen, paused_steps, probe_aft
     return probes, arrival, changed, drafted_rows, paused_rows
 
 
-@njit(cache=True)
+@compiled
 def start_requests(new, arrival_probe_after, context_len, verified_drafts, drafted, probed,
                    verified_probe, paused_steps, probe_after, drafted_steps,
                    paused_decode_steps, rates, engine_rates):
@@ -214,7 +214,7 @@ def start_requests(new, arrival_probe_after, context_len, verified_drafts, draft
         rates[slot, :] = engine_rates
 
 
-@njit(cache=True)
+@compiled
 def paused_fractions(freed, drafted_steps, paused_decode_steps):
     """The share of its decode steps each request that left paused in (those
     with decode steps)."""
@@ -228,7 +228,7 @@ def paused_fractions(freed, drafted_steps, paused_decode_steps):
     return fractions[:count]
 
 
-@njit(cache=True)
+@compiled
 def settle_plan(slots, lengths, chosen, row_flags, row_ints, row_seconds, weights, timed,
                 per_catch_up, state, histogram, probe_interval, max_backoff):
     """:func:`catch_up_limits` and :func:`note_plan` of a plan of ``lengths``
@@ -248,7 +248,7 @@ def settle_plan(slots, lengths, chosen, row_flags, row_ints, row_seconds, weight
     return limits, counts
 
 
-@njit(cache=True)
+@compiled
 def plan_rows(slots, gaps, whole, forced_state, plan_state, survival, weights, max_draft_steps,
               piecewise_step, other_tokens, timed, settings, uniform_draft_length, settle,
               row_flags, row_ints, row_seconds, histogram):

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit
+
+from vllm_specextend.core.compiled import compiled
 
 SlotHandler = Callable[[list[str], np.ndarray], None]
 """Called with request ids and their slots (``[n]``, int64)."""
@@ -148,7 +149,7 @@ class RequestSlots:
             handler(req_ids, slots)
 
 
-@njit(cache=True)
+@compiled
 def settle_slots(slots, live, arrival, free, counts):
     """A batch's slots (``slots``: -1 for requests without one): live slots
     no row holds are freed, in arrival order (returned), then each new row

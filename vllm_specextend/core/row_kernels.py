@@ -11,8 +11,8 @@ construction (:func:`warm_up_row_kernels`); arguments are int64 / bool arrays
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from vllm_specextend.core.compiled import compiled
 from vllm_specextend.core.refresh import REFRESH_CAUSES
 
 NO_REFRESH = -1
@@ -25,7 +25,7 @@ def int64s(values) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.int64)
 
 
-@njit(cache=True)
+@compiled
 def classify_rows(query_lens, context_lens, prompt_lens, max_num_speculative_tokens,
                   min_context_tokens, draft_window, compact_positions):
     """Per row: ``seq_lens = context + query``; ``is_decode`` (the prompt in
@@ -53,7 +53,7 @@ def classify_rows(query_lens, context_lens, prompt_lens, max_num_speculative_tok
     return seq_lens, is_decode, beyond_window, retrieval_rows[:retrieving], prompt_chunks
 
 
-@njit(cache=True)
+@compiled
 def reset_slots(slots, tracked, decoded, steps_since_retrieval, has_selection, area_of_slot,
                 refresh_counts):
     """Start tracking the requests in ``slots``: fresh state, no area yet."""
@@ -63,7 +63,7 @@ def reset_slots(slots, tracked, decoded, steps_since_retrieval, has_selection, a
         refresh_counts[slot, :] = 0
 
 
-@njit(cache=True)
+@compiled
 def advance_retrieval_rows(slots, tracked, decoded, steps_since_retrieval, has_selection,
                            area_of_slot, refresh_counts, retrieval_interval):
     """A step of the retrieval rows' requests (``slots``): untracked ones
@@ -94,7 +94,7 @@ def advance_retrieval_rows(slots, tracked, decoded, steps_since_retrieval, has_s
     return causes, new[:num_new]
 
 
-@njit(cache=True)
+@compiled
 def note_retrievals(due_slots, due_causes, has_selection, steps_since_retrieval,
                     refresh_counts, counts_by_cause):
     """The due rows retrieved: each has a new selection, its step count
@@ -108,7 +108,7 @@ def note_retrievals(due_slots, due_causes, has_selection, steps_since_retrieval,
         counts_by_cause[cause] += 1
 
 
-@njit(cache=True)
+@compiled
 def classify_step(query_lens, context_lens, prompt_lens, slots, max_num_speculative_tokens,
                   min_context_tokens, draft_window, compact_positions, state,
                   retrieval_interval, note, counts_by_cause):
