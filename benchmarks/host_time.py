@@ -42,6 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.report import RESULTS_DIR, git_commit, pyplot, save_figure
+from vllm_specextend.core.counters import FINISHED_ROWS, RetrievalStats
 from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
 from vllm_specextend.core.request_slots import RequestSlots
@@ -243,6 +244,7 @@ def measure(args) -> dict:
         requests.advance(plan.draft_lengths if runs else np.zeros(args.batch, np.int64))
     torch_scoring_ops = _count_torch_scoring_ops(planner, torch_scoring, requests, args,
                                                  max_blocks)
+    departure_ops, fold_ops = _count_departure_ops(args.batch)
     parts = {}
     labels = {**SLOT_PARTS, **PLANNER_PARTS, **CONTROL_PARTS}
     for name, label in labels.items():
@@ -266,6 +268,8 @@ def measure(args) -> dict:
             np.array([s.get(EXCLUDED_TENSOR_WORK, 0.0) for s in steps]) * 1e3),
         "planner_tensor_ops_per_step": op_counts[0] if op_counts else None,
         "torch_scoring_ops_per_step": torch_scoring_ops,
+        "tensor_ops_per_departure": departure_ops,
+        "tensor_ops_per_fold": fold_ops,
         "drafted_request_steps": stats.drafted_request_steps,
         "paused_request_steps": stats.paused_request_steps,
         "retrievals": planner.stats.retrievals,
@@ -339,6 +343,21 @@ def _count_torch_scoring_ops(planner, torch_scoring, requests, args, max_blocks)
     return counter.ops
 
 
+def _count_departure_ops(batch: int) -> tuple[int, int]:
+    """Tensor ops of one leaving request's figures (kept for the histograms),
+    and of folding ``FINISHED_ROWS`` of them into the histograms."""
+    stats = RetrievalStats(max_num_reqs=batch, device=META)
+    counter = _OpCounter()
+    with counter:
+        stats.finish_request(0)
+    departure = counter.ops
+    stats._unfolded = FINISHED_ROWS - 1
+    counter = _OpCounter()
+    with counter:
+        stats.finish_request(0)
+    return departure, counter.ops - departure
+
+
 def _summary(values: np.ndarray) -> dict:
     return {"median": float(np.median(values)), "p10": float(np.percentile(values, 10)),
             "p90": float(np.percentile(values, 90)), "mean": float(values.mean())}
@@ -394,6 +413,9 @@ def report(results: dict) -> str:
         f"figures into the device histograms (on meta: median "
         f"{r['excluded_stats_device_ops_ms']['median']:.3f} ms, p90 "
         f"{r['excluded_stats_device_ops_ms']['p90']:.3f} ms).",
+        f"- Tensor ops of a leaving request's figures: {r['tensor_ops_per_departure']}, and "
+        f"{r['tensor_ops_per_fold']} every {FINISHED_ROWS} departures to fold them into the "
+        "histograms.",
         f"- Tensor ops the planner issues per step (scoring stubbed): "
         f"{r['planner_tensor_ops_per_step']}; the torch scoring path for "
         f"{max(1, args['batch'] // args['retrieval_interval'])} due rows: "

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_specextend.core.counters import FINISHED_ROWS, RetrievalStats
 from vllm_specextend.metrics import SpecExtendCollector
-from vllm_specextend.core.counters import RetrievalStats
 
 NO_PRIVATE_LAYOUTS = {"private_layout_areas": 0, "layouts_in_place": 0}
 
@@ -133,3 +133,20 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     assert 'vllm:spec_extend_control_chosen_draft_length_total{draft_length="2",' in text
     # Warm-up plans are not explorations.
     assert 'vllm:spec_extend_control_explorations_total{model_name="tiny"} 0.0' in text
+
+
+def test_leaving_requests_are_folded_into_the_histograms_in_batches():
+    # More departures than the rows kept before a fold; reading folds the rest.
+    stats = RetrievalStats(max_num_reqs=2, device=torch.device("cpu"))
+    count = 2 * FINISHED_ROWS + 5
+    for request in range(count):
+        stats.record_step(torch.tensor([request % 2]), torch.tensor([100]),
+                          removed_tokens=torch.tensor([100 - request % 100]),
+                          acceptance_lengths=torch.tensor([0]))
+        stats.finish_request(request % 2)
+    kept = stats.request_kept_fraction.as_dict()
+    assert kept["count"] == count == stats.finished_requests
+    assert kept["sum"] == pytest.approx(sum(r % 100 / 100 for r in range(count)))
+    # None verified a draft; every slot starts from zero again.
+    assert stats.request_acceptance_length.as_dict()["count"] == 0
+    assert stats.request_figures(0)["verifications"] == 0

@@ -17,6 +17,9 @@ ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 # Columns of the per-request accumulators (one row per request slot).
 CONTEXT, KEPT, DRAFT_STEPS, ACCEPTED = range(4)
+FINISHED_ROWS = 64
+"""Leaving requests' figures kept before they are folded into the
+histograms together (a departure costs two small copies, not a fold)."""
 
 
 class DeviceHistogram:
@@ -62,6 +65,9 @@ class RetrievalStats:
     """Requests retrieval served that have left the batch."""
     _totals: torch.Tensor = field(init=False, repr=False)
     _per_slot: torch.Tensor = field(init=False, repr=False)
+    _finished: torch.Tensor = field(init=False, repr=False)
+    _unfolded: int = field(default=0, init=False, repr=False)
+    """Rows of ``_finished`` not yet in the histograms."""
 
     @property
     def retrievals(self) -> int:
@@ -74,10 +80,21 @@ class RetrievalStats:
         self._per_slot = torch.zeros(
             self.max_num_reqs, 4, dtype=torch.int64, device=self.device
         )
-        self.request_kept_fraction = DeviceHistogram(KEPT_FRACTION_BUCKETS, self.device)
-        self.request_acceptance_length = DeviceHistogram(
-            ACCEPTANCE_LENGTH_BUCKETS, self.device
-        )
+        self._finished = torch.zeros(FINISHED_ROWS, 4, dtype=torch.int64, device=self.device)
+        self._kept_fraction = DeviceHistogram(KEPT_FRACTION_BUCKETS, self.device)
+        self._acceptance_length = DeviceHistogram(ACCEPTANCE_LENGTH_BUCKETS, self.device)
+
+    @property
+    def request_kept_fraction(self) -> DeviceHistogram:
+        """Per finished request: kept tokens / context tokens."""
+        self._fold_finished()
+        return self._kept_fraction
+
+    @property
+    def request_acceptance_length(self) -> DeviceHistogram:
+        """Per finished request that verified drafts: mean tokens per verification."""
+        self._fold_finished()
+        return self._acceptance_length
 
     def record_step(
         self,
@@ -132,19 +149,29 @@ class RetrievalStats:
         return self._per_slot, self._totals
 
     def finish_request(self, slot: int) -> None:
-        """Fold a leaving request's figures into the histograms."""
-        row = self._per_slot[slot].to(torch.float64)
-        self.request_kept_fraction.observe(
-            row[KEPT] / row[CONTEXT].clamp(min=1), row[CONTEXT] > 0
-        )
-        self.request_acceptance_length.observe(
-            row[ACCEPTED] / row[DRAFT_STEPS].clamp(min=1), row[DRAFT_STEPS] > 0
-        )
+        """A leaving request's figures, kept for the histograms (folded in
+        :data:`FINISHED_ROWS` at a time, or when they are read)."""
+        self._finished[self._unfolded].copy_(self._per_slot[slot])
+        self._unfolded += 1
         self.finished_requests += 1
         self.clear_slot(slot)
+        if self._unfolded == FINISHED_ROWS:
+            self._fold_finished()
+
+    def _fold_finished(self) -> None:
+        if not self._unfolded:
+            return
+        rows = self._finished[: self._unfolded].to(torch.float64)
+        self._kept_fraction.observe(
+            rows[:, KEPT] / rows[:, CONTEXT].clamp(min=1), rows[:, CONTEXT] > 0
+        )
+        self._acceptance_length.observe(
+            rows[:, ACCEPTED] / rows[:, DRAFT_STEPS].clamp(min=1), rows[:, DRAFT_STEPS] > 0
+        )
+        self._unfolded = 0
 
     def clear_slot(self, slot: int) -> None:
-        self._per_slot[slot] = 0
+        self._per_slot[slot].zero_()
 
     def request_figures(self, slot: int) -> dict[str, float]:
         context, kept, steps, accepted = self._per_slot[slot].tolist()
