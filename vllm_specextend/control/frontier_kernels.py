@@ -145,12 +145,11 @@ def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag
 
 
 @compiled
-def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size,
-                  commit):
-    """What a first pass catches up per row (see ``SpeculationControl.catch_up``):
-    ``(starts, behind, tokens, holes)``, ``tokens`` -1 when no row has a
-    gap. ``limits``, ``table``: empty when none. With ``commit``, the rows
-    left behind are no longer synced (``commit_catch_up``'s first part)."""
+def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size):
+    """What a first pass catches up per row (see
+    ``SpeculationControl.catch_up_starts``): ``(starts, tokens, holes)``,
+    ``tokens`` -1 when no row has a gap. Rows their ``limits`` leave behind
+    are no longer synced. ``limits``, ``table``: empty when none."""
     rows = slots.shape[0]
     full, gaps = np.empty(rows, np.int64), np.empty(rows, np.int64)
     behind = np.zeros(rows, np.bool_)
@@ -163,10 +162,10 @@ def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, ta
             gaps[row] = min(gaps[row], limits[row])
         total += gaps[row]
         some |= gaps[row] != 0
-        if commit and behind[row]:
+        if behind[row]:
             synced[slots[row]] = False
     if not some:
-        return context_lens - gaps, behind, -1, np.empty(0, np.int64)
+        return context_lens - gaps, -1, np.empty(0, np.int64)
     if total > budget:
         share = max(budget // rows, 0)
         total = 0
@@ -183,7 +182,7 @@ def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, ta
     cut = cut[:count]
     holes = block_ranges(table, cut, (context_lens[cut] - full[cut]) // size,
                          -(-(context_lens[cut] - gaps[cut]) // size))
-    return context_lens - gaps, behind, total, holes
+    return context_lens - gaps, total, holes
 
 
 def warm_up_frontier_kernels() -> None:
@@ -196,7 +195,7 @@ def warm_up_frontier_kernels() -> None:
         filled_blocks(table, ints, ints, ints, flags, 1, 16, 0, 1)
         keep_lagging_blocks(ints, table, 16, ints, ints, ints, ints, True, flags.copy(),
                             np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
-        catch_up_rows(ints, ints, ints, -1, ints, 8, flags.copy(), table, 16, False)
+        catch_up_rows(ints, ints, ints, -1, ints, 8, flags.copy(), table, 16)
         end_step(ints, True, flags.copy(), True, table, 16, ints, ints, ints, ints, ints,
                  flags.copy(), np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
     new_rows(ints, ints, flags)

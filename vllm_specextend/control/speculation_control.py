@@ -7,8 +7,7 @@ forward when the drafter can catch up: a draft model from token ids, an EAGLE
 head also from the target's hidden states kept for it
 (``paused_hidden_states.py``). The tokens verified meanwhile have no draft
 KV; each request's frontier says from where, and the next forward prepends
-them to the request's query (``catch_up_starts``: the query ``catch_up``,
-then ``commit_catch_up``), up to the drafter's token budget and, for a head,
+them to the request's query (``catch_up_starts``), up to the drafter's token budget and, for a head,
 the positions kept (older ones stay holes: the draft reads stale KV there,
 the target's output does not change).
 
@@ -30,7 +29,6 @@ from it, so its draft never reads them as its own.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,23 +49,6 @@ from vllm_specextend.control.draft_lengths import (
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
 from vllm_specextend.control.kernel_args import ints
 from vllm_specextend.core.request_slots import RequestSlots
-
-
-@dataclass(slots=True)
-class CatchUp:
-    """What this step's first pass catches up (:meth:`SpeculationControl.catch_up`)."""
-
-    starts: np.ndarray | None
-    """Per row, the first position the forward processes (None: nothing is
-    caught up)."""
-    behind: np.ndarray
-    """``[rows]`` bool: rows the plan's limits leave behind their frontier."""
-    slots: np.ndarray
-    """The rows' request slots."""
-    holes: np.ndarray
-    """Blocks left stale: older tokens of synced rows cut by the budget."""
-    tokens: int
-    """Tokens caught up."""
 
 
 class SpeculationControl:
@@ -256,19 +237,15 @@ class SpeculationControl:
                  context_lens, query_lens, _NO_LIMITS if limits is None else limits, gaps,
                  self._lagging, self._lag_table, self._lag_start, self._lag_end)
 
-    def catch_up(self, req_ids: list[str], context_lens: np.ndarray,
-                 budget: int) -> CatchUp:
-        """What this step's first pass catches up (a query: nothing changes
-        until :meth:`commit_catch_up`). Per row, from its draft KV frontier,
-        or its most recent tokens within the plan's limit (the row then stays
-        behind its frontier) and, for all rows together, ``budget`` tokens
-        (beyond it, and beyond a head's kept positions, holes stay holes)."""
-        return self._catch_up(req_ids, context_lens, budget, commit=False)
-
-    def _catch_up(self, req_ids: list[str], context_lens: np.ndarray, budget: int,
-                  commit: bool) -> CatchUp:
-        """:meth:`catch_up`; with ``commit``, the rows left behind are
-        un-synced as :meth:`commit_catch_up` does."""
+    def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
+                        budget: int) -> np.ndarray | None:
+        """Per row, the first position this step's first pass processes (None:
+        nothing is caught up): from its draft KV frontier, or its most recent
+        tokens within the plan's limit and, for all rows together, ``budget``
+        tokens (beyond it, and beyond a head's kept positions, holes stay
+        holes). Rows left short keep their frontier (they are no longer
+        synced), the holes turn stale at the next plan, and the controller
+        learns the tokens' cost."""
         slots = self.controller.slots(req_ids)
         limits = _NO_LIMITS
         if self._limits is not None:
@@ -277,35 +254,15 @@ class SpeculationControl:
                 limit_of = dict(zip(plan_ids, limits.tolist()))
                 limits = np.array([limit_of[r] for r in req_ids], dtype=np.int64)
         table, size = _NO_TABLE if self._blocks is None else self._blocks
-        starts, behind, tokens, holes = catch_up_rows(
+        starts, tokens, holes = catch_up_rows(
             slots, ints(context_lens), self._frontier,
             -1 if self.max_catch_up is None else self.max_catch_up, limits, budget,
-            self._synced, table, size, commit)
+            self._synced, table, size)
         if tokens < 0:
-            return CatchUp(None, behind, slots, holes, 0)
-        return CatchUp(starts, behind, slots, holes, tokens)
-
-    def commit_catch_up(self, catch_up: CatchUp) -> None:
-        """Rows left behind keep their frontier (not synced); holes turn
-        stale at the next plan; the controller learns the tokens' cost."""
-        self._synced[catch_up.slots[catch_up.behind]] = False
-        self._commit_tokens(catch_up)
-
-    def _commit_tokens(self, catch_up: CatchUp) -> None:
-        """:meth:`commit_catch_up` after its rows left behind were un-synced."""
-        if catch_up.starts is None:
-            return
-        self._holes += catch_up.holes.tolist()
-        self.controller.observe(StepOutcome(catch_up_tokens=catch_up.tokens))
-
-    def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
-                        budget: int) -> np.ndarray | None:
-        """:meth:`catch_up` and :meth:`commit_catch_up` in one: per row, the
-        first position the forward must process, or None when nothing is
-        caught up."""
-        catch_up = self._catch_up(req_ids, context_lens, budget, commit=True)
-        self._commit_tokens(catch_up)  # the kernel un-synced the rows left behind
-        return catch_up.starts
+            return None
+        self._holes += holes.tolist()
+        self.controller.observe(StepOutcome(catch_up_tokens=tokens))
+        return starts
 
     def frontiers(self, req_ids: list[str]) -> np.ndarray:
         """Per row, its draft KV frontier (every position before it is right)."""
