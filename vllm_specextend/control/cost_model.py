@@ -74,10 +74,11 @@ def _fused_multiply_add(typingctx, a, b, c):
 @compiled
 def step_seconds(weights, max_draft_steps, verified_tokens, draft_steps, catch_up_tokens,
                  piecewise):
-    """``step_features(...) @ weights`` without building the features: the
-    same sum as numpy's (OpenBLAS's dot of fewer than 16 numbers, one fused
-    multiply-add per feature, left to right), so a prediction is bit for bit
-    :meth:`StepCostModel.predict`'s on FMA hardware."""
+    """``step_features(...) @ weights`` without building the features, summed
+    left to right with one fused multiply-add per feature: the sum numpy's
+    dot makes through OpenBLAS on FMA hardware below 16 features (K up to
+    12), so there a prediction is bit for bit :meth:`StepCostModel.predict`'s
+    (elsewhere within rounding)."""
     draft_column = (NUM_LINEAR_FEATURES - 1 + min(draft_steps, max_draft_steps)
                     if draft_steps else -1)
     total = 0.0
@@ -200,7 +201,8 @@ class StepCostModel:
         """Learn one step's cost (compiled, :func:`fit_step`)."""
         self.weights = fit_step(self._gram, self._moment, self.seen, self.weights,
                                 np.ascontiguousarray(features, dtype=np.float64),
-                                float(seconds), self.forgetting, self.ridge, self.piecewise_step)
+                                float(seconds), float(self.forgetting), float(self.ridge),
+                                self.piecewise_step)
         self.observations += 1
 
     def knows(self, features: np.ndarray) -> bool:
