@@ -121,16 +121,17 @@ class _Requests:
     one that reaches its length leaves and a new one arrives (one prompt
     chunk, then decoding)."""
 
-    def __init__(self, batch: int, context: int, k: int, seed: int) -> None:
+    def __init__(self, batch: int, context: int, k: int, seed: int,
+                 output_tokens: tuple[int, int] = (64, 1024)) -> None:
         self.rng = np.random.default_rng(seed)
-        self.k, self.context = k, context
+        self.k, self.context, self.output_tokens = k, context, output_tokens
         self.next_id = 0
         self.ids = [self._new_id() for _ in range(batch)]
         self.prompt_lens = np.full(batch, context, dtype=np.int64)
         self.context_lens = context + self.rng.integers(0, 512, batch)
         self.query_lens = np.ones(batch, dtype=np.int64)
         self.rates = self.rng.uniform(0.3, 0.9, batch)
-        self.ends = self.context_lens + self.rng.integers(64, 1024, batch)
+        self.ends = self.context_lens + self.rng.integers(*output_tokens, batch)
 
     def _new_id(self) -> str:
         self.next_id += 1
@@ -149,7 +150,7 @@ class _Requests:
             self.context_lens[row] = 0
             self.query_lens[row] = self.context  # one prompt chunk
             self.rates[row] = self.rng.uniform(0.3, 0.9)
-            self.ends[row] = self.context + self.rng.integers(64, 1024)
+            self.ends[row] = self.context + self.rng.integers(*self.output_tokens)
 
 
 def _planning_batch(requests: _Requests, k: int, max_blocks: int) -> PlanningBatch:
@@ -208,7 +209,8 @@ def measure(args) -> dict:
     timers.wrap(control.controller, "plan", "controller_plan")
     max_blocks = -(-planner.max_model_len // BLOCK_SIZE)
     table = np.arange(args.batch * max_blocks, dtype=np.int32).reshape(args.batch, max_blocks)
-    requests = _Requests(args.batch, args.context, args.k, args.seed)
+    requests = _Requests(args.batch, args.context, args.k, args.seed,
+                         tuple(args.output_tokens))
     steps, plan_totals, op_counts = [], [], []
     for step in range(args.warmup + args.steps):
         batch = _planning_batch(requests, args.k, max_blocks)
@@ -311,7 +313,8 @@ def goodput_breakdown(args) -> dict:
         timers.wrap(goodput, name)
     max_blocks = -(-(2 * args.context + 2048) // BLOCK_SIZE)
     table = np.arange(args.batch * max_blocks, dtype=np.int32).reshape(args.batch, max_blocks)
-    requests = _Requests(args.batch, args.context, args.k, args.seed)
+    requests = _Requests(args.batch, args.context, args.k, args.seed,
+                         tuple(args.output_tokens))
     steps = []
     try:
         for step in range(args.warmup + args.steps):
@@ -378,7 +381,7 @@ def report(results: dict) -> str:
     args = results["args"]
     lines = [
         f"# Host time per step: batch {args['batch']}, {args['context']}-token prompts, "
-        f"K = {args['k']}",
+        f"{args['output_tokens'][0]}-{args['output_tokens'][1]} tokens of output, K = {args['k']}",
         "",
         f"Machine: {results['machine']['cpu_model']} ({results['machine']['hostname']}), "
         f"torch {results['machine']['torch']}, numpy {results['machine']['numpy']}. "
@@ -409,8 +412,8 @@ def report(results: dict) -> str:
         f"- The planner's whole `plan()` on meta (its tensor ops dispatched to meta kernels, "
         f"scoring stubbed): median {r['planner_plan_on_meta_ms']['median']:.3f} ms; meta "
         "kernels are not CUDA launches, so this is not a CUDA figure.",
-        f"- Excluded from the request slots' part: the device ops that fold a leaving request's "
-        f"figures into the device histograms (on meta: median "
+        f"- Excluded from the request slots' part: the device ops that keep a leaving request's "
+        f"figures for the device histograms (on meta: median "
         f"{r['excluded_stats_device_ops_ms']['median']:.3f} ms, p90 "
         f"{r['excluded_stats_device_ops_ms']['p90']:.3f} ms).",
         f"- Tensor ops of a leaving request's figures: {r['tensor_ops_per_departure']}, and "
@@ -456,6 +459,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[64, 1024],
+                        metavar=("LOW", "HIGH"),
+                        help="each request's decode length, uniform in [LOW, HIGH) (longer: "
+                             "fewer arrivals, more decode-only steps)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     results = {
