@@ -162,7 +162,9 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     when it is worth more than its verification time at the current
     goodput (and every position before it is), a row drafts when its kept
     positions are worth more than its resumption. Each round prices its
-    plan in the same pass (the sums :func:`_goodput` makes, in its order)."""
+    plan in the same pass (the sums :func:`_goodput` makes, in its order).
+    (Long as one round in one piece: the rows' loops share a dozen scratch
+    arrays.)"""
     (survival, weighted, _, scale, resume, resumes, per_token, uniform_length, piecewise_cost,
      position_buffer, row_buffer, weighted_table) = batch
     rows = weighted.shape[1]
