@@ -104,8 +104,8 @@ def catch_up_prices(weights, timed):
 def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min_catch_up,
                 timed, probe_interval, weights, per_forced_token, per_token, row_flags,
                 row_ints, row_seconds):
-    """Per row, what forced drafts may do (see ``GoodputController.
-    _forced_rows``): whether it probes (``row_flags[3]``), its least
+    """Per row, what forced drafts may do (see ``ForcedDrafts``, in
+    ``control/forced_drafts.py``): whether it probes (``row_flags[3]``), its least
     catch-up, paused plans and probe back-off (``row_ints``), its budget and
     resume seconds (``row_seconds``). ``state``: the controller's per-slot
     ``(paused plans, probe back-off, drafted steps, paused decode steps)``;

@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from numba import __version__ as numba_version
 from numba import njit
 from numba.core import caching
-from numba.core.caching import _CacheLocator
+
+from vllm_specextend.log import plugin_logger
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_CacheImpl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # older numba: _CacheImpl
+_CacheLocator = caching._CacheLocator
+_CacheImpl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+"""numba's cache machinery (``_CacheImpl`` in older releases)."""
 
 
 @functools.cache
@@ -65,7 +69,11 @@ class PackageStampedLocator(_CacheLocator):
         return None
 
 
-if PackageStampedLocator not in _CacheImpl._locator_classes:
+if not isinstance(getattr(_CacheImpl, "_locator_classes", None), list):
+    plugin_logger(__name__).warning(
+        "numba %s has no cache locator list: compiled loops are cached per file, and an edit "
+        "to one that another calls needs the package's __pycache__ cleared", numba_version)
+elif PackageStampedLocator not in _CacheImpl._locator_classes:
     _CacheImpl._locator_classes.insert(0, PackageStampedLocator)
 
 compiled = njit(cache=True)
