@@ -105,22 +105,14 @@ def _goodput(batch, positions, lengths, fixed, weighted):
     (survival, _, accepted_table, scale, resume, resumes, per_token, uniform_length,
      piecewise_cost, position_buffer, row_buffer, weighted_table) = batch
     rows = lengths.shape[0]
-    total = 0
+    total, count, uniform = 0, 0, True
     for row in range(rows):
         total += lengths[row]
-    seconds = fixed + per_token * total
-    if resumes:
-        count = 0
-        for row in range(rows):
-            if lengths[row] > 0:
-                row_buffer[count] = resume[row]
-                count += 1
-        seconds = seconds + pairwise_sum(row_buffer, count)
-    if uniform_length >= 0:
-        uniform = True
-        for row in range(rows):
-            uniform &= lengths[row] == uniform_length
-        seconds = seconds - (piecewise_cost if uniform else 0.0)
+        if resumes and lengths[row] > 0:
+            row_buffer[count] = resume[row]
+            count += 1
+        uniform &= lengths[row] == uniform_length
+    resume_sum = pairwise_sum(row_buffer, count) if resumes else 0.0
     for row in range(rows):
         length = lengths[row]
         if positions < PAIRWISE_FROM:
@@ -129,7 +121,32 @@ def _goodput(batch, positions, lengths, fixed, weighted):
         else:
             accepted = _accepted(survival, row, positions, length, position_buffer)
             row_buffer[row] = accepted / scale[row] if weighted else accepted
-    gained = rows + pairwise_sum(row_buffer, rows)
+    return _plan_rate(fixed, per_token, total, resumes, resume_sum, uniform_length, uniform,
+                      piecewise_cost, pairwise_sum(row_buffer, rows), rows)
+
+
+@compiled
+def _accepted(survival, row, positions, length, position_buffer):
+    """A row's expected accepted drafts at ``length``, summed pairwise over
+    ``positions`` positions (from 8 positions on, as numpy summed them)."""
+    for position in range(positions):
+        position_buffer[position] = survival[row, position] * (
+            1.0 if position < length else 0.0)
+    return pairwise_sum(position_buffer, positions)
+
+
+@compiled
+def _plan_rate(fixed, per_token, total, resumes, resume_sum, uniform_length, uniform,
+               piecewise_cost, accepted_sum, rows):
+    """A plan's expected tokens per second from its sums: ``total`` drafts,
+    the resumptions' seconds (with ``resumes``), whether every row drafts
+    the FULL graphs' length, the rows' accepted drafts."""
+    seconds = fixed + per_token * total
+    if resumes:
+        seconds = seconds + resume_sum
+    if uniform_length >= 0:
+        seconds = seconds - (piecewise_cost if uniform else 0.0)
+    gained = rows + accepted_sum
     return gained / seconds if seconds > 0 else 0.0
 
 
@@ -218,28 +235,15 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
             else:
                 row_buffer[row] = _accepted(survival, row, positions, chosen,
                                             position_buffer) / scale[row]
-        # The plan's price: _goodput(batch, positions, lengths, fixed, True).
-        seconds = fixed + per_token * total
-        if resumes:
-            seconds = seconds + pairwise_sum(resume_buffer, resuming)
-        if uniform_length >= 0:
-            seconds = seconds - (piecewise_cost if uniform else 0.0)
-        gained = rows + pairwise_sum(row_buffer, rows)
-        new = gained / seconds if seconds > 0 else 0.0
+        # The plan's price, as _goodput(batch, positions, lengths, fixed, True).
+        new = _plan_rate(fixed, per_token, total, resumes,
+                         pairwise_sum(resume_buffer, resuming) if resumes else 0.0,
+                         uniform_length, uniform, piecewise_cost, pairwise_sum(row_buffer, rows),
+                         rows)
         if abs(new - current) <= 1e-9 * max(new, 1.0):
             return current
         objective = new
     return objective
-
-
-@compiled
-def _accepted(survival, row, positions, length, position_buffer):
-    """A row's expected accepted drafts at ``length``, summed pairwise over
-    ``positions`` positions (from 8 positions on, as numpy summed them)."""
-    for position in range(positions):
-        position_buffer[position] = survival[row, position] * (
-            1.0 if position < length else 0.0)
-    return pairwise_sum(position_buffer, positions)
 
 
 @compiled
@@ -348,9 +352,6 @@ def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_
 def warm_up_choice() -> None:
     """Compile (or load) the choice for the argument types the controller
     passes, so that no step waits for it."""
-    choose_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), 0.1, np.ones(2),
-                   np.zeros(0, dtype=bool), np.float64(1.0), np.zeros(1),
-                   np.zeros(1, dtype=bool), -1, 0.0)
     choose_step_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), np.zeros(5), 1, True, 1, 0,
                         True, 0.1, np.zeros(0, dtype=bool), np.zeros(1), np.zeros(1, dtype=bool),
                         -1)

@@ -240,9 +240,9 @@ class StepCostModel:
 
 
 def warm_up_cost_model() -> None:
-    """Compile (or load) the predictions for the argument types used."""
+    """Compile (or load) the prediction and the fit for the argument types
+    the controller passes."""
     weights = np.zeros(NUM_LINEAR_FEATURES + 2)
     step_seconds(weights, 1, 1, 1, 0, False)
-    fixed_seconds(weights, 1, 1, 1, True, False)
     fit_step(np.zeros((5, 5)), np.zeros(5), np.zeros(5, dtype=bool), weights, np.ones(5), 0.1,
              0.98, 1e-6, False)

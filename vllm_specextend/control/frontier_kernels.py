@@ -186,15 +186,14 @@ def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, ta
 
 
 def warm_up_frontier_kernels() -> None:
-    """Compile (or load) the kernels for the argument types used (block
-    tables of int32, as vLLM's host block table, or int64)."""
+    """Compile (or load) the kernels speculation control calls, for the
+    argument types used (block tables of int32, as vLLM's host block table,
+    or int64); those called only from compiled code come with their callers."""
     ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
     for dtype in (np.int32, np.int64):
         table = np.zeros((1, 1), dtype=dtype)
         block_ranges(table, ints, ints, ints)
         filled_blocks(table, ints, ints, ints, flags, 1, 16, 0, 1)
-        keep_lagging_blocks(ints, table, 16, ints, ints, ints, ints, True, flags.copy(),
-                            np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
         catch_up_rows(ints, ints, ints, -1, ints, 8, flags.copy(), table, 16)
         end_step(ints, True, flags.copy(), True, table, 16, ints, ints, ints, ints, ints,
                  flags.copy(), np.zeros((1, 1), np.int64), ints.copy(), ints.copy())

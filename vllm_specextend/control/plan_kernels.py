@@ -292,7 +292,9 @@ def plan_rows(slots, gaps, whole, forced_state, plan_state, survival, weights, m
 
 
 def warm_up_plan_kernels() -> None:
-    """Compile (or load) the kernels for the argument types used."""
+    """Compile (or load) the kernels the controller calls, for the argument
+    types it passes (those called only from compiled code come with their
+    callers)."""
     ints, flags, floats = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool), np.zeros(1)
     weights = np.zeros(NUM_LINEAR_FEATURES + 1)
     row_flags, row_ints, row_seconds = (np.zeros((4, 1), dtype=bool),
@@ -300,11 +302,13 @@ def warm_up_plan_kernels() -> None:
     step_rows(ints, ints, ints, ints, -1, ints, (np.zeros((1, 1)), floats, 0.2, 0.5,
               np.zeros((1, 1))), (ints.copy(), ints.copy(), flags.copy(), flags), row_flags)
     affordable(floats, ints, weights, 1, 1, 0.0)
-    forced_rows(ints, flags, ints, flags, (ints, ints, ints, ints), 0.0, 8, False, 16, weights,
-                0.0, 0.0, row_flags, row_ints, row_seconds)
+    plan_state = (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy())
+    histogram = np.zeros(2, dtype=np.int64)
     settle_plan(ints, ints, ints, row_flags, row_ints, row_seconds, weights, False, 0.0,
-                (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy()),
-                np.zeros(2, dtype=np.int64), 16, 8)
+                plan_state, histogram, 16, 8)
+    plan_rows(ints, ints, flags, (ints, ints, ints, ints), plan_state, np.zeros((1, 1)),
+              weights, 1, False, 0, False, (0.02, 8, 16, 8, 0.1, True), -1, True, row_flags,
+              row_ints, row_seconds, histogram)
     start_requests(ints, 0, ints.copy(), ints.copy(), ints.copy(), flags.copy(), flags.copy(),
                    ints.copy(), ints.copy(), ints.copy(), ints.copy(), np.zeros((1, 1)), floats)
     paused_fractions(ints, ints, ints)

@@ -150,12 +150,12 @@ def classify_step(query_lens, context_lens, prompt_lens, slots, max_num_speculat
 
 
 def warm_up_row_kernels() -> None:
-    """Compile (or load) the kernels for the argument types the planner passes."""
+    """Compile (or load) the kernels the planner calls, for the argument
+    types it passes (those called only from compiled code come with their
+    callers)."""
     ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
     counts = np.zeros((1, 3), dtype=np.int64)
     classify_rows(ints, ints, ints, 1, 1, 1, False)
-    advance_retrieval_rows(ints, flags.copy(), flags.copy(), ints.copy(), flags.copy(),
-                           ints.copy(), counts, 1)
     reset_slots(ints, flags.copy(), flags.copy(), ints.copy(), flags.copy(), ints.copy(), counts)
     note_retrievals(ints, ints, flags.copy(), ints.copy(), counts, np.zeros(3, dtype=np.int64))
     classify_step(ints, ints, ints, ints, 1, 1, 1, False, (
