@@ -302,6 +302,7 @@ def warm_up_plan_kernels() -> None:
     step_rows(ints, ints, ints, ints, -1, ints, (np.zeros((1, 1)), floats, 0.2, 0.5,
               np.zeros((1, 1))), (ints.copy(), ints.copy(), flags.copy(), flags), row_flags)
     affordable(floats, ints, weights, 1, 1, 0.0)
+    catch_up_prices(weights, False)
     plan_state = (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy())
     histogram = np.zeros(2, dtype=np.int64)
     settle_plan(ints, ints, ints, row_flags, row_ints, row_seconds, weights, False, 0.0,
