@@ -287,3 +287,104 @@ def build_mtp_target(spec: TinyModelSpec, num_mtp_layers: int = 1) -> Path:
 if __name__ == "__main__":
     for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
         print(build_model(s))
+
+
+# --- A model on which retrieval matters ---------------------------------------
+#
+# Random weights attend everywhere a little, so on them a draft that sees part
+# of the context accepts about as much whichever part it sees. The needle model
+# is built by hand instead: every token's query in its one attention layer
+# looks for "needle" tokens (keys only they have, on the lowest-frequency
+# rotary pair so position does not matter), a needle's value names it, and the
+# answer to needle i is token ANSWER_TOKENS[i], at every step after the prompt.
+# Without a needle in view the attention averages zero values and the model
+# answers FILLER_TOKEN. So a draft equal to it accepts every draft when it
+# keeps the needle's chunk and none when it does not.
+
+NEEDLE_TOKENS = tuple(range(800, 816))
+"""Token ids that draw the attention (one per prompt, ``needle_prompt``)."""
+ANSWER_TOKENS = tuple(range(816, 832))
+"""``ANSWER_TOKENS[i]``: what the needle model generates after ``NEEDLE_TOKENS[i]``."""
+FILLER_TOKEN = 832
+"""What it generates when no needle is in view."""
+HAYSTACK_TOKENS = (8, 800)
+"""The range the other prompt tokens are drawn from."""
+NEEDLE_SPEC = TinyModelSpec("llama", 64, 1, 2, 1, intermediate_size=64, seed=0)
+
+
+def build_needle_model() -> Path:
+    """The hand-built needle model (``NEEDLE_SPEC``'s shapes, float32)."""
+    spec = NEEDLE_SPEC
+    target = cache_root() / f"needle-{_key({**asdict(spec), 'needle': 1})}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(spec.vocab_size))
+        config = LlamaConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+            # The needle's key sits on the slowest rotary pair: at this base it
+            # turns by 4e-9 rad per position, so no position moves the attention.
+            rope_parameters={"rope_type": "default", "rope_theta": 1e9},
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=False, torch_dtype="float32")
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        for param in model.parameters():
+            param.data.zero_()
+        needle_weights(model, spec)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+def needle_weights(model, spec: TinyModelSpec) -> None:
+    """Residual features: 0 a constant, 1 "is a needle", 2 + i needle i's
+    name, 20 + i what the attention read (needle i), 40-41 padding so every
+    token's embedding has the same norm (RMSNorm then scales them alike)."""
+    import torch
+
+    num_needles, head_dim = len(NEEDLE_TOKENS), spec.head_dim
+    slow = head_dim - 1  # the second half of the slowest (neox) rotary pair
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, 0] = 1.0
+        embed[:, 40:42] = 1.0
+        for i, token in enumerate(NEEDLE_TOKENS):
+            embed[token, 40:42] = 0.0
+            embed[token, 1] = 1.0
+            embed[token, 2 + i] = 1.0
+        layer = model.model.layers[0]
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+            norm.weight.fill_(1.0)
+        attention = layer.self_attn
+        # Normed features are ~4.6 (sqrt(64 / 3)): a needle's logit is
+        # 2.8 * 2.8 * 4.6^2 / sqrt(32) = 30 over every other token's 0.
+        for head in range(spec.num_heads):
+            attention.q_proj.weight[head * head_dim + slow, 0] = 2.8
+        attention.k_proj.weight[slow, 1] = 2.8
+        for i in range(num_needles):
+            attention.v_proj.weight[i, 2 + i] = 1.0
+            for head in range(spec.num_heads):
+                attention.o_proj.weight[20 + i, head * head_dim + i] = 1.0
+        # Answer i by the read feature 20 + i; the filler by the constant,
+        # which wins only when nothing was read.
+        lm_head = model.lm_head.weight
+        for i, token in enumerate(ANSWER_TOKENS):
+            lm_head[token, 20 + i] = 1.0
+        lm_head[FILLER_TOKEN, 0] = 2.0
+
+
+def needle_prompt(length: int, needle: int, depth: int, seed: int = 0) -> list[int]:
+    """``length`` haystack token ids with ``NEEDLE_TOKENS[needle]`` at
+    position ``depth``."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(*HAYSTACK_TOKENS) for _ in range(length)]
+    prompt[depth] = NEEDLE_TOKENS[needle]
+    return prompt
