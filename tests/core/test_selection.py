@@ -2,6 +2,7 @@
 themselves against loop forms; no engine."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -38,28 +39,81 @@ def test_attention_scores_match_dense_softmax_with_gqa():
     torch.testing.assert_close(got.sum(-1)[0], torch.tensor([8.0, 8.0, 0.0]))
 
 
-def _tensor_parallel_rank(rank: int, port: int, partials: list, out_dir: str) -> None:
-    """One tensor-parallel rank (a process of its own): vLLM's distributed state
-    over gloo, then the package's sum over ranks of this rank's partial scores."""
+TP_BLOCK_SIZE, TP_CHUNK, TP_K = 16, 32, 3
+TP_SEQ_LENS = [256, 201]
+
+
+def tensor_parallel_step(k_context: torch.Tensor, q: torch.Tensor):
+    """One verification step of two rows (K + 1 tokens each, ending at
+    ``TP_SEQ_LENS``) over keys ``k_context``, every query token ``q[row]``:
+    the planning batch, its slot mapping, the flat queries and keys."""
+    from tests.core.test_planner import planning_batch
+
+    seq_lens = torch.tensor(TP_SEQ_LENS)
+    batch = planning_batch(["a", "b"], [TP_K + 1] * 2, (seq_lens - TP_K - 1).tolist(),
+                           [100, 100], max_blocks=16)
+    positions = torch.arange(256)
+    valid = positions.view(1, -1) < seq_lens.view(-1, 1)
+    slots = (batch.block_table[:, positions // TP_BLOCK_SIZE].long() * TP_BLOCK_SIZE
+             + positions % TP_BLOCK_SIZE)
+    queries = q[:, 0].repeat_interleave(TP_K + 1, dim=0)
+    return batch, slots[valid], k_context[valid], queries
+
+
+def _tensor_parallel_rank(rank: int, port: int, q: torch.Tensor, k: torch.Tensor,
+                          out_dir: str) -> None:
+    """One tensor-parallel rank (a process of its own): vLLM's distributed
+    state over gloo, then the drafter's retrieval (``DraftRetrieval``, as the
+    V1 and MRV2 adapters build it) tapping this rank's slice of the target's
+    last layer, planning one step."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from vllm_specextend.retrieval.owner import sum_over_tensor_parallel_ranks
+    from tests.drafters.fakes import FakeAttention
+    from vllm_specextend.core.options import SpecExtendConfig
+    from vllm_specextend.retrieval.engine_options import RetrievalSetup
+    from vllm_specextend.retrieval.owner import DraftRetrieval
 
     init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
     with set_current_vllm_config(VllmConfig()):
         initialize_model_parallel(tensor_model_parallel_size=2, backend="gloo")
-    torch.save(sum_over_tensor_parallel_ranks(partials[rank].clone()), f"{out_dir}/rank{rank}.pt")
+    config = SpecExtendConfig(mode="cmr", min_context_tokens=128, sink_tokens=32,
+                              recent_tokens=16, chunk_size=TP_CHUNK, top_k_chunks=2)
+    setup = RetrievalSetup(config=config, method="draft_model", draft_window=256,
+                           num_speculative_tokens=TP_K, compact_positions=False,
+                           steps_in_flight=2)
+    retrieval = DraftRetrieval(setup, max_num_reqs=2, max_model_len=256, max_num_tokens=64,
+                               dtype=torch.float32, device=torch.device("cpu"))
+    # This rank's heads: 4 of the 8 query heads, 2 of the 4 KV heads.
+    target, draft = FakeAttention(scale=0.25), FakeAttention()
+    retrieval.attach({"model.layers.0.self_attn.attn": target,
+                      "draft_model.model.layers.0.self_attn.attn": draft},
+                     {"draft_model.model.layers.0.self_attn.attn"})
+    kv_cache_config = types.SimpleNamespace(num_blocks=32, kv_cache_groups=[
+        types.SimpleNamespace(layer_names=list(retrieval.draft_layers)
+                              + ["model.layers.0.self_attn.attn"])])
+    retrieval.bind_kv_cache(kv_cache_config, TP_BLOCK_SIZE)
+    heads, kv_heads = slice(4 * rank, 4 * rank + 4), slice(2 * rank, 2 * rank + 2)
+    batch, slots, keys, queries = tensor_parallel_step(k[:, :, kv_heads], q[:, :, heads])
+    # The target's forward over the context and the step: the tap records.
+    keys = keys.flatten(1)
+    target.impl.do_kv_cache_update(target, keys, keys, None, slots)
+    target.impl.forward(target, queries.flatten(1), None, None, None, attn_metadata=object())
+    view = retrieval.plan(batch)
+    torch.save({"block_table": view.block_table.clone(),
+                "removed_tokens": view.removed_tokens.clone()}, f"{out_dir}/rank{rank}.pt")
 
 
-def test_tensor_parallel_ranks_sum_partial_scores_and_select_alike(tmp_path):
+def test_tensor_parallel_ranks_plan_the_full_models_selection(tmp_path):
     """Each rank scores with its own slice of the query and KV heads; the
     planner sums the per-rank chunk scores with vLLM's tensor-parallel
-    all-reduce (``retrieval/owner.py::sum_over_tensor_parallel_ranks``), run
-    here by two gloo ranks. The sum is the full model's score, so every rank
-    keeps the same blocks. Mutation: ``sum_over_tensor_parallel_ranks``
-    returning its input unchanged (no all-reduce) fails the comparison."""
+    all-reduce, so every rank's drafter plans the view the full model's
+    attention picks. Two gloo ranks, each running ``DraftRetrieval.plan``
+    over a tap fed by its slice. Mutations that fail it:
+    ``sum_over_tensor_parallel_ranks`` returning its input (no all-reduce);
+    the planner not calling its ``sum_over_ranks``; ``DraftRetrieval`` not
+    handing the rank sum to its planner."""
     from torch import multiprocessing
 
     from benchmarks.serve import free_port
@@ -75,31 +129,32 @@ def test_tensor_parallel_ranks_sum_partial_scores_and_select_alike(tmp_path):
         # Scale 0.25 and |q| ~ 4: a logit of about ``strength`` over the chunk.
         towards = towards / towards.norm(dim=-1, keepdim=True) * strength / 0.25 / 4
         k[:, 32 * chunk : 32 * chunk + 32, kv_head] += towards[:, None]
-    pos = torch.tensor([[255], [200]])
-    seq_lens = torch.tensor([256, 201])
-    full = attention_scores(q, k, pos, scale=0.25)
-    partials = [chunk_scores(attention_scores(q[:, :, 4 * r : 4 * r + 4],
-                                              k[:, :, 2 * r : 2 * r + 2], pos, 0.25).sum(1),
-                             seq_lens, 32)
-                for r in range(2)]
+    batch = tensor_parallel_step(k, q)[0]
+    seq_lens = torch.tensor(TP_SEQ_LENS)
+    pos = (seq_lens - 1).view(-1, 1)
 
-    def keep(chunks):
-        # Candidates: chunks 1-6 of row 0, 1-5 of row 1 (blocks of 16 tokens).
-        return select_blocks(chunks, torch.tensor([14, 12]), top_k_chunks=2, sink_blocks=2,
-                             blocks_per_chunk=2, num_blocks=16)
+    def view_of(token_scores):
+        """The planner's rules: sink 2 blocks, the top 2 chunks ending before
+        the recent window (16 tokens before the query), the window."""
+        recent_start = (seq_lens - TP_K - 1 - 16) // TP_BLOCK_SIZE
+        keep = select_blocks(chunk_scores(token_scores, seq_lens, TP_CHUNK), recent_start,
+                             top_k_chunks=2, sink_blocks=2, blocks_per_chunk=2, num_blocks=16)
+        return keep, rewrite_block_table(batch.block_table, keep, TP_BLOCK_SIZE)
 
-    want = keep(chunk_scores(full.sum(1), seq_lens, 32))
-    assert kept(want[0]) == [0, 1, 4, 5, 8, 9, 14, 15]
-    assert kept(want[1]) == [0, 1, 4, 5, 8, 9, 12, 13, 14, 15]
+    want_keep, (want_table, want_removed) = view_of(attention_scores(q, k, pos, 0.25).sum(1))
+    assert kept(want_keep[0]) == [0, 1, 4, 5, 8, 9, 14, 15]
+    assert kept(want_keep[1]) == [0, 1, 4, 5, 8, 9, 11, 12, 13, 14, 15]
     # A rank selecting from its own heads alone would keep other blocks.
-    assert not torch.equal(keep(partials[0]), want)
-    assert not torch.equal(keep(partials[1]), want)
-    multiprocessing.spawn(_tensor_parallel_rank, args=(free_port(), partials, str(tmp_path)),
+    for rank in range(2):
+        alone = attention_scores(q[:, :, 4 * rank : 4 * rank + 4],
+                                 k[:, :, 2 * rank : 2 * rank + 2], pos, 0.25).sum(1)
+        assert not torch.equal(view_of(alone)[0], want_keep)
+    multiprocessing.spawn(_tensor_parallel_rank, args=(free_port(), q, k, str(tmp_path)),
                           nprocs=2)
     for rank in range(2):
-        summed = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(summed, partials[0] + partials[1])
-        assert torch.equal(keep(summed), want)
+        view = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(view["block_table"], want_table), rank
+        assert torch.equal(view["removed_tokens"], want_removed), rank
 
 
 def test_context_keys_follow_the_block_table():
