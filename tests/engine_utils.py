@@ -241,6 +241,65 @@ DRAFT_READS = (watch_draft_reads, draft_reads)
 """``run_engine(..., worker_hooks=DRAFT_READS)``: check what the draft read."""
 
 
+def watch_draft_positions(worker) -> None:
+    """From now on, check the positions of every draft forward of a V1-runner
+    drafter at compact positions, the first pass and every later draft step:
+    each token must run at the position vLLM gives it (its ``positions``
+    buffer, which our overrides leave alone) minus its row's removed tokens
+    (rows from the draft layer's query start locations), clamped into the
+    draft's window (where vLLM's rejected and padding slots land). Counts go
+    to ``draft_positions``."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    drafter = worker.model_runner.drafter
+    drafter._test_positions = {"forwards": 0, "shifted_forwards": 0, "later_steps": 0,
+                               "wrong_forwards": 0, "examples": []}
+    if getattr(drafter, "_test_positions_hooked", False):
+        return
+    drafter._test_positions_hooked = True
+    layer = sorted(drafter._draft_attn_layer_names)[0]
+    window = drafter.retrieval.draft_window
+
+    def check(module, args, kwargs):
+        record = drafter._test_positions
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        record["forwards"] += 1
+        view = drafter._draft_view
+        if view is None or not bool((view.removed_tokens > 0).any()):
+            return
+        metadata = get_forward_context().attn_metadata
+        metadata = (metadata[0] if isinstance(metadata, list) else metadata)[layer]
+        starts = metadata.query_start_loc.long()
+        num_rows = min(starts.shape[0] - 1, view.removed_tokens.shape[0])
+        tokens = torch.arange(int(starts[num_rows]))
+        rows = torch.searchsorted(starts[1:num_rows + 1], tokens, right=True)
+        given = drafter.positions[:tokens.shape[0]]
+        want = (given - view.removed_tokens.long()[rows]).clamp(0, window - 1)
+        record["shifted_forwards"] += 1
+        record["later_steps"] += int(tokens.shape[0] == num_rows)
+        if not torch.equal(positions[:tokens.shape[0]], want):
+            record["wrong_forwards"] += 1
+            if len(record["examples"]) < 3:
+                record["examples"].append({"ran": positions[:tokens.shape[0]].tolist(),
+                                           "want": want.tolist()})
+
+    drafter.model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def draft_positions(worker) -> dict[str, Any]:
+    """``watch_draft_positions``' counts since it was (re)installed."""
+    return dict(worker.model_runner.drafter._test_positions)
+
+
+def assert_draft_positions_exact(record: dict[str, Any], min_later_steps: int) -> None:
+    """Every compacted draft forward ran at original minus removed positions,
+    later draft steps (one token per row) included."""
+    assert record["wrong_forwards"] == 0, record["examples"]
+    assert record["later_steps"] >= min_later_steps, record
+    assert record["shifted_forwards"] > record["later_steps"], record
+
+
 def assert_drafted_from_compacted_views(run: EngineRun, min_draft_tokens: int,
                                         min_accepted_tokens: int,
                                         min_compacted_forwards: int) -> None:

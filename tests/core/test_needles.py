@@ -40,6 +40,7 @@ NEEDLES = {"a": ([4, 13], [8, 16]), "b": ([9, 12], [3, 6])}
 """Needle chunks of each request before step 3, and from step 3 on."""
 MOVED_AT = 3
 AGGREGATIONS = ["last_token", "accepted_tokens"]
+RESET_CONTEXTS = {"a": 700}
 X_CHUNKS, Y_CHUNKS = [3, 14], [7, 17]
 """The reset test's needles: X draws the first step, Y the next ones."""
 
@@ -79,8 +80,8 @@ def plant(tap: TargetAttentionTap, row: int, chunks: list[int], direction: torch
 
 def fill(tap: TargetAttentionTap, seed: int, direction: torch.Tensor | None = None,
          strength: float = 0.0, keys: bool = False) -> None:
-    """Random queries (and keys) of unit variance, queries pointing along
-    ``direction`` by ``strength``."""
+    """Random queries (std 0.5) pointing along ``direction`` by ``strength``,
+    and with ``keys`` random keys (std 1)."""
     generator = torch.Generator().manual_seed(seed)
     if keys:
         tap.keys.copy_(torch.randn(tap.keys.shape, generator=generator))
@@ -147,16 +148,16 @@ def assert_needles_kept(views: list[dict]) -> None:
             assert torch.equal(view[field], want[field]), (step, field)
 
 
-def reset_views(refresh: str, device: torch.device, kernels: bool) -> dict:
+def reset_views(refresh: str) -> dict:
     """Accepted-token scores, one request: needle X draws step 0's queries
     hard, needle Y steps 1 and 2's mildly; the retrieval at step 2 (its
     second) is compared with a fresh planner's whose first step looked for
     nothing and whose next steps were these."""
     x_direction, y_direction = directions(2)
-    contexts = {"a": 700}
+    cpu = torch.device("cpu")
 
     def run(first_direction):
-        planner = make_planner(device, kernels, score_aggregation="accepted_tokens",
+        planner = make_planner(cpu, kernels=False, score_aggregation="accepted_tokens",
                                retrieval_refresh=refresh)
         fill(planner.tap, seed=0, keys=True)
         plant(planner.tap, 0, X_CHUNKS, x_direction)
@@ -165,7 +166,7 @@ def reset_views(refresh: str, device: torch.device, kernels: bool) -> dict:
         for step in range(3):
             direction, strength = (first_direction, 4.0) if step == 0 else (y_direction, 1.5)
             fill(planner.tap, seed=step + 1, direction=direction, strength=strength)
-            views.append(view_of(planner.plan(step_batch(step, device, contexts))))
+            views.append(view_of(planner.plan(step_batch(step, cpu, RESET_CONTEXTS))))
         return views
 
     return {"continued": run(x_direction), "fresh": run(None)}
@@ -201,6 +202,9 @@ def test_needle_chunks_are_kept_at_every_step_and_follow_the_needles(aggregation
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_needle_chunks_are_kept_on_the_kernels(device, request):
+    """Mutations that fail it: as above, on the kernels (the selection
+    kernel given zeros or random scores, or ranking by position); a
+    retrieval not resetting accepted-token sums (the old needles stay)."""
     for aggregation in AGGREGATIONS:
         views = kernel_run(device, request)[aggregation]
         assert_needles_kept([{k: v.cpu() for k, v in view.items()} for view in views])
@@ -208,12 +212,11 @@ def test_needle_chunks_are_kept_on_the_kernels(device, request):
 
 def assert_scores_started_over(views: dict) -> None:
     continued, fresh = views["continued"], views["fresh"]
-    contexts = {"a": 700}
     # The first retrieval kept X, the needle step 0 looked for.
-    want_x = expected_view(0, {"a": X_CHUNKS}, 0, contexts)
+    want_x = expected_view(0, {"a": X_CHUNKS}, 0, RESET_CONTEXTS)
     assert torch.equal(continued[0]["block_table"], want_x["block_table"])
     # The second keeps Y, as the fresh planner does: step 0's sums are gone.
-    want_y = expected_view(2, {"a": Y_CHUNKS}, 2, contexts)
+    want_y = expected_view(2, {"a": Y_CHUNKS}, 2, RESET_CONTEXTS)
     for view in (continued[2], fresh[2]):
         for field in ("block_table", "removed_tokens"):
             assert torch.equal(view[field], want_y[field]), field
@@ -222,8 +225,9 @@ def assert_scores_started_over(views: dict) -> None:
 @pytest.mark.parametrize("refresh", ["interval", "acceptance"])
 def test_accepted_token_scores_start_over_at_each_retrieval(refresh):
     """Mutation that fails it: a retrieval not resetting its slot's score
-    sums (the second retrieval keeps X, step 0's needle)."""
-    assert_scores_started_over(reset_views(refresh, torch.device("cpu"), kernels=False))
+    sums (the second retrieval keeps X, step 0's needle). On the kernels the
+    accepted-token needle test fails under it."""
+    assert_scores_started_over(reset_views(refresh))
 
 
 if __name__ == "__main__":  # the interpreter worker (TRITON_INTERPRET=1)

@@ -13,10 +13,13 @@ import pytest
 
 from tests.engine_utils import (
     accepted_draft_tokens,
+    assert_draft_positions_exact,
     collect_run,
     corpus_prompts,
+    draft_positions,
     engine,
     run_engine,
+    watch_draft_positions,
 )
 from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy, build_short_window_copy
 
@@ -55,12 +58,15 @@ def target_alone(target_reference, damped_target, prompts):
 def compact_runs(damped_target, short_window_draft, prompts, document_questions):
     """The mixed batch, then its short rows alone, then questions on one
     cached document, in one compact-position engine (prefix caching on, as
-    vLLM's default: private layouts)."""
+    vLLM's default: private layouts); and the draft's positions, checked at
+    every forward (``watch_draft_positions``)."""
     with engine(damped_target, short_window_draft, spec_extend=OPTIONS, **DETAILED) as llm:
+        llm.collective_rpc(watch_draft_positions)
         mixed = collect_run(llm, prompts, MAX_TOKENS)
         short_only = collect_run(llm, [prompts[r] for r in SHORT], MAX_TOKENS)
         questions = ask_about_one_document(llm, document_questions)
-    return mixed, short_only, questions
+        positions = llm.collective_rpc(draft_positions)[0]
+    return mixed, short_only, questions, positions
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +120,16 @@ def test_stock_vllm_switches_drafting_off_for_the_whole_batch(stock, target_alon
     assert stock.spec_decode["num_accepted_tokens"] < 0.05 * stock.spec_decode["num_draft_tokens"]
 
 
+def test_every_draft_step_runs_at_original_minus_removed_positions(compact_runs):
+    """Mutations that fail it: V1 ``_get_positions`` one position off for
+    compacted rows; later draft steps left at the first pass's per-token
+    shifts, or unshifted."""
+    # Measured: 183 compacted forwards, 122 of them later draft steps.
+    assert_draft_positions_exact(compact_runs[3], min_later_steps=100)
+
+
 def test_short_rows_accept_as_in_a_batch_of_short_rows_only(compact_runs):
-    compact, short_only, _ = compact_runs
+    compact, short_only, _, _ = compact_runs
     mixed = [accepted_draft_tokens(compact.request_spec_decode[r]) for r in SHORT]
     alone = [accepted_draft_tokens(m) for m in short_only.request_spec_decode]
     assert mixed == alone
