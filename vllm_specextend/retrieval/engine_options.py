@@ -165,8 +165,10 @@ def _check_features(vllm_config: Any, config: SpecExtendConfig, method: str) -> 
         engine_checks.check_speculation_control(vllm_config)
     if config.retrieves and config.retrieval_refresh == "acceptance":
         engine_checks.check_acceptance_refresh(vllm_config)
-    if config.retrieves and vllm_config.use_v2_model_runner and method != "draft_model":
-        engine_checks.check_mrv2_data_parallel(vllm_config)
+    if config.retrieves and vllm_config.use_v2_model_runner:
+        engine_checks.check_mrv2_adaptive_verification(vllm_config)
+        if method != "draft_model":
+            engine_checks.check_mrv2_data_parallel(vllm_config)
 
 
 _KEPT_SETUPS: dict[int, RetrievalSetup | None] = {}
