@@ -144,11 +144,16 @@ class V1Overrides(DrafterFeatures):
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
             num_speculative_tokens = min(num_speculative_tokens, draft_steps)
-        if self.retrieval is not None:
-            self._draft_view = self.retrieval.plan(batch)
-        if controlled:
+            # Before retrieval plans: the catch-up runs as part of its rows'
+            # queries, which the recent window is kept before.
+            target_pass = kwargs["common_attn_metadata"]
             kwargs = self.control.with_catch_up(
                 kwargs, batch, self.runner.input_batch.token_ids_cpu, self.block_size)
+            first_pass = kwargs["common_attn_metadata"]
+            if first_pass is not target_pass:
+                batch.draft_query_start_loc = first_pass.query_start_loc[: batch.num_reqs + 1]
+        if self.retrieval is not None:
+            self._draft_view = self.retrieval.plan(batch)
         try:
             return super().propose(num_speculative_tokens, **kwargs)
         finally:
