@@ -71,7 +71,7 @@ ALIGNMENT = 16
 
 
 def test_staged_lists_start_at_16_byte_boundaries_and_keep_their_values():
-    # Back to back without padding these lay at [0, 8, 0, 8, 0] % 16.
+    # Back to back without padding, every other one lay 8 bytes off a boundary.
     lists = [[1, 2, 3], [4, 5, 6], [7], [8], [9, 10, 11]]
     stager = IndexStager(max_len=3, device=torch.device("cpu"), lists_per_step=7)
     staged = stager.next_step().stage(*lists) + stager.stage([12], [])

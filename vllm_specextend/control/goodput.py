@@ -165,9 +165,6 @@ class GoodputController(ForcedDrafts):
         through keeps its request able to probe, so an engine whose requests
         all arrive paused still learns when drafting pays again."""
 
-    # ---- per step --------------------------------------------------------
-
-
     def _cost_model(self) -> StepCostModel:
         p = self.parameters
         return StepCostModel(self.num_speculative_tokens, forgetting=p.cost_forgetting,
@@ -183,6 +180,8 @@ class GoodputController(ForcedDrafts):
         if full_graph_query_len != self.full_graph_query_len:
             self.full_graph_query_len = full_graph_query_len
             self.cost = self._cost_model()
+
+    # ---- per step --------------------------------------------------------
 
     def admit(self, req_ids: list[str]) -> np.ndarray:
         """Each request's slot: ``req_ids`` is the step's batch, so requests
