@@ -25,6 +25,7 @@ simulation never learns the cost: "bad" keeps pausing).
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 from tests.control.test_goodput import K, SimulatedEngine
@@ -165,3 +166,53 @@ def test_the_controller_learns_what_leaving_the_graphs_costs(piecewise, bad_draf
     assert sum(h["good"] == K for h in steady) >= len(steady) - 3
     assert sum(h["bad"] == bad_drafts for h in steady) >= len(steady) - 5
     assert controller.cost.piecewise_cost == pytest.approx(piecewise, abs=0.02)
+
+
+@pytest.mark.parametrize("built_with, backend_support, settled, query_len", [
+    # FULL for mixed batches needs ALWAYS: vLLM falls back to FULL decode graphs.
+    ("FULL", "UNIFORM_BATCH", "FULL_DECODE_ONLY", 1 + K),
+    # A backend without FULL graphs for spec-decode batches: none at all.
+    ("FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", "NONE", None),
+])
+def test_the_controller_reads_the_graph_mode_vllm_settled_on(
+        target_model, draft_model, built_with, backend_support, settled, query_len):
+    """vLLM settles ``cudagraph_mode`` once the runner knows its attention
+    backends (``GPUModelRunner.initialize_attn_backend``, after the drafter is
+    built): the controller must price the graphs the target then replays, not
+    those the engine's config asked for. Mutation: the mode read when the
+    drafter is built (as until this test) fails both cases."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from tests.drafters.test_adapter_host_syncs import StockProposer, runner_for
+    from tests.retrieval.test_engine_options import engine_config
+    from vllm_specextend.drafters.v1_overrides import V1Overrides
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    class Stock(StockProposer):
+        def __init__(self, vllm_config, device, runner=None):
+            super().__init__(vllm_config, device, runner)
+            self.vllm_config = vllm_config
+
+        def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None):
+            pass
+
+    class Proposer(V1Overrides, Stock):
+        pass
+
+    config = engine_config(target_model, draft_model,
+                           spec_extend={"mode": "off", "speculation_control": "goodput"},
+                           speculative_config={"method": "draft_model",
+                                               "model": str(draft_model),
+                                               "num_speculative_tokens": K})
+    compilation = config.compilation_config
+    compilation.cudagraph_mode = CUDAGraphMode[built_with]  # as on a GPU
+    proposer = Proposer(config, torch.device("cpu"), runner_for(resolve_setup(config)))
+    # The runner's initialize_attn_backend, then initialize_metadata_builders.
+    compilation.resolve_cudagraph_mode_and_sizes(
+        AttentionCGSupport[backend_support], "BACKEND", uniform_decode_query_len=1 + K)
+    assert compilation.cudagraph_mode == CUDAGraphMode[settled]
+    proposer.initialize_attn_backend(kv_cache_config=None, kernel_block_sizes=[16])
+    controller = proposer.control.speculation.controller
+    assert controller.full_graph_query_len == query_len
+    assert controller.cost.piecewise_step == (query_len is not None)

@@ -69,7 +69,7 @@ def make_planner(options: dict, device: torch.device, kernels: bool) -> Retrieva
 
 def steps(device: torch.device) -> list:
     """A step of five other requests; four steps of ``ROWS`` four tokens apart (retrievals due at the first
-    and third; some drafts rejected at the second; at the fourth
+    and third, the third after a catch-up; some drafts rejected at the second; at the fourth
     ``reduced_k`` drafted nothing and ``full_k``'s last chunk holds one
     token), then one without ``full_k``."""
     # First, five other requests retrieve and leave: every slot then holds a
@@ -83,6 +83,11 @@ def steps(device: torch.device) -> list:
         batch = planning_batch(**rows)
         if step == 1:
             batch.last_token_indices = batch.last_token_indices - torch.tensor([2, 1, 0, 0, 0])
+        if step == 2:
+            # Goodput control's catch-up before the first rows' queries: the
+            # recent windows start before it (it changes their selections).
+            lens = torch.tensor(rows["query_lens"]) + torch.tensor([100, 40, 0, 0, 0])
+            batch.draft_query_start_loc = torch.cat((torch.zeros(1), lens.cumsum(0))).int()
         batches.append(batch)
     batches.append(planning_batch(**{key: values[1:] for key, values in ROWS.items()}))
     return [to_device(batch, device) for batch in batches]

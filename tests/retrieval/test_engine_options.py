@@ -380,6 +380,28 @@ def test_data_parallel_heads_in_model_runner_v2_are_refused(target_model, draft_
     assert resolve_setup(head) is not None
 
 
+def test_adaptive_verification_in_model_runner_v2_is_refused(target_model, draft_model,
+                                                             monkeypatch):
+    """MRV2's adaptive verification re-allocates each request's drafts on the
+    device, moving its query boundaries, while the planner classifies rows
+    and places the recent window by the host's query lengths. (vLLM runs it
+    in MRV2 only, with FULL CUDA graphs: set on the config, as on a GPU.)"""
+    from tests.drafters.test_mrv2_draft_model import simulate_gpu
+    from vllm_specextend.retrieval.engine_options import resolve_setup
+
+    simulate_gpu(monkeypatch, v2_env=True)
+    ours = engine_config(target_model, draft_model, spec_extend={})
+    stock = engine_config(target_model, draft_model)
+    for config in (ours, stock):
+        assert config.use_v2_model_runner
+        config.speculative_config.enable_adaptive_verification = True
+    with pytest.raises(SpecExtendConfigError,
+                       match=r"enable_adaptive_verification=True in Model Runner V2.*"
+                             r"host query lengths.*Remove enable_adaptive_verification"):
+        resolve_setup(ours)
+    assert resolve_setup(stock) is None  # stock vLLM is left alone
+
+
 def test_options_a_setting_makes_meaningless_are_named(target_model, draft_model, monkeypatch):
     from vllm_specextend.retrieval import engine_options
 

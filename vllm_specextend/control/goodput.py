@@ -87,7 +87,8 @@ class GoodputController(ForcedDrafts):
     ) -> None:
         """``full_graph_query_len``: the query length of every request in a
         decode step that runs in the target's FULL CUDA graphs (``1 + K``
-        under vLLM's FULL decode graphs); None: no FULL graphs.
+        under vLLM's FULL decode graphs); None: no FULL graphs (until
+        :meth:`set_full_graph_query_len`).
         ``requests``: the drafter's request slots, shared with its other
         feature (None: its own). (Long for the docstrings of the per-slot
         fields: it only assigns.)"""
@@ -99,9 +100,7 @@ class GoodputController(ForcedDrafts):
         warm_up_plan_kernels()
         warm_up_cost_model()
         p = parameters
-        self.cost = StepCostModel(num_speculative_tokens, forgetting=p.cost_forgetting,
-                                  ridge=p.cost_ridge,
-                                  piecewise_step=full_graph_query_len is not None)
+        self.cost = self._cost_model()
         self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens,
                                               smoothing=p.acceptance_smoothing,
                                               prior=p.acceptance_prior,
@@ -165,6 +164,22 @@ class GoodputController(ForcedDrafts):
         defer: ``probe_budget`` of every step nobody drafts in. A prompt let
         through keeps its request able to probe, so an engine whose requests
         all arrive paused still learns when drafting pays again."""
+
+    def _cost_model(self) -> StepCostModel:
+        p = self.parameters
+        return StepCostModel(self.num_speculative_tokens, forgetting=p.cost_forgetting,
+                             ridge=p.cost_ridge,
+                             piecewise_step=self.full_graph_query_len is not None)
+
+    def set_full_graph_query_len(self, full_graph_query_len: int | None) -> None:
+        """The target's FULL decode graphs as vLLM settled them, once its
+        runner knew the attention backends (it may turn FULL into
+        FULL_DECODE_ONLY, or drop FULL graphs): call before the first step.
+        A change starts the step-cost model over, with or without its
+        ``piecewise_step`` feature."""
+        if full_graph_query_len != self.full_graph_query_len:
+            self.full_graph_query_len = full_graph_query_len
+            self.cost = self._cost_model()
 
     # ---- per step --------------------------------------------------------
 

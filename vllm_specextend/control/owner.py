@@ -47,16 +47,18 @@ class DraftControl:
         keeps_hidden_states: bool,
         compact_positions: bool,
         steps_in_flight: int,
-        full_graph_query_len: int | None,
         max_num_reqs: int,
         max_num_tokens: int,
         device: torch.device,
         requests: RequestSlots | None = None,
+        full_graph_query_len: int | None = None,
     ) -> None:
         """Args:
             method: vLLM's speculative method.
             keeps_hidden_states: the drafter is fed the target's hidden
                 states (an EAGLE head): a pause keeps them for its catch-up.
+            full_graph_query_len: see :meth:`set_full_graph_query_len`
+                (an engine's is known only once its attention backends are).
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
         """
@@ -94,6 +96,14 @@ class DraftControl:
         self._host_staging = IndexStager(
             max(max_num_tokens, max_num_reqs + 1), device,
             depth=max(2, steps_in_flight), lists_per_step=8)
+
+    def set_full_graph_query_len(self, full_graph_query_len: int | None) -> None:
+        """The query length of every request in a decode step that replays the
+        target's FULL CUDA graphs (``1 + K``; None: none), read once vLLM has
+        settled its graph mode: its runner may change it when it sets up the
+        attention backends, after the drafter is built."""
+        if self.speculation is not None:
+            self.speculation.controller.set_full_graph_query_len(full_graph_query_len)
 
     def allocate_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """At model load, for a drafter fed the target's hidden states (an

@@ -38,6 +38,11 @@ class PlanningBatch:
     """``[num_reqs]``: tokens before each row's query (an upper bound is fine)."""
     prompt_lens_cpu: np.ndarray
     """``[num_reqs]``: prompt length of each request."""
+    draft_query_start_loc: torch.Tensor | None = None
+    """``[num_reqs + 1]``, device: each row's query as the draft's first pass
+    runs it, where that differs from ``query_start_loc``: goodput control's
+    catch-up puts the tokens a paused draft skipped before a row's query.
+    A row's recent window is kept before this query (None: the target's)."""
 
     @property
     def num_reqs(self) -> int:

@@ -215,7 +215,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         )
         rewrites: list[WorkingCacheRewrite] = []
         if step.due_rows.size:
-            rewrites += self._retrieve(batch, step, staged, first_query_pos)
+            rewrites += self._retrieve(batch, step, staged, _draft_query_starts(batch))
         if step.retrieval_rows.size:
             assert self._selected_blocks is not None
             num_blocks = self._num_blocks(batch)
@@ -296,7 +296,8 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         first_query_pos: torch.Tensor | None,
     ) -> list[WorkingCacheRewrite]:
         """New selections for the rows due: sink + top-k chunks + recent
-        (``first_query_pos``: the rows' query starts; None on the kernels)."""
+        (``first_query_pos``: the rows' first-pass query starts, catch-up
+        included; None on the kernels)."""
         config = self.config
         assert self._selected_blocks is not None and self._score_sums is not None
         due, due_slots = staged.due, staged.due_slots
@@ -306,8 +307,10 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
                          blocks_per_chunk=self.chunk_size // self.block_size,
                          num_blocks=num_blocks)
         if first_query_pos is None:  # on the kernels: slots and windows read there
+            query_start_loc = (batch.query_start_loc if batch.draft_query_start_loc is None
+                               else batch.draft_query_start_loc)
             select_blocks_into_slots(self._score_sums, due, due_slots, batch.seq_lens,
-                                     batch.query_start_loc, self._selected_blocks,
+                                     query_start_loc, self._selected_blocks,
                                      config.recent_tokens, self.block_size,
                                      by_position=config.mode != "cmr", **selection)
         else:
@@ -365,3 +368,11 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
             },
         }
 
+
+def _draft_query_starts(batch: PlanningBatch) -> torch.Tensor:
+    """Each row's first position in the draft's first pass: its query's,
+    or its catch-up's before it (the recent window is kept before it)."""
+    starts = (batch.query_start_loc if batch.draft_query_start_loc is None
+              else batch.draft_query_start_loc)
+    num_reqs = batch.num_reqs
+    return batch.seq_lens[:num_reqs] - (starts[1:] - starts[:-1])[:num_reqs]

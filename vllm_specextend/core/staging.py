@@ -49,9 +49,18 @@ class IndexStager:
     rows whose copies an earlier step still in flight may read: like vLLM's
     ``UvaBufferPool``, depth must be at least the number of steps in flight
     (``VllmConfig.max_concurrent_batches``, at least 2).
+
+    Invariant: every staged list starts at a multiple of :data:`ALIGNMENT`
+    bytes. Triton specialises a pointer argument on 16-byte alignment, so a
+    list handed to a kernel (the planner's rows and slots) at an 8-byte
+    offset would compile a new variant of a kernel warmed up with aligned
+    tensors, mid-serving. Lists lie back to back, each padded to the
+    alignment (``tests/core/test_staging.py`` checks every planner launch).
     """
 
     MAX_INDEX_LISTS_PER_STEP = 16
+    ALIGNMENT = 16
+    """Bytes each staged list's start is a multiple of."""
 
     def __init__(self, max_len: int, device: torch.device, depth: int = 2,
                  lists_per_step: int = MAX_INDEX_LISTS_PER_STEP) -> None:
@@ -62,9 +71,10 @@ class IndexStager:
         """
         if depth < 2:
             raise ValueError(f"IndexStager depth must be >= 2, got {depth}")
-        # Per set, the step's lists back to back: one copy and one split
-        # stage several.
-        shape = (depth, lists_per_step * max_len)
+        # Per set, the step's lists back to back, each padded to the
+        # alignment: one copy and one split stage several.
+        self._align = self.ALIGNMENT // torch.int64.itemsize
+        shape = (depth, lists_per_step * self._padded(max_len))
         on_host = device.type == "cpu"
         self.depth = depth
         self.lists_per_step = lists_per_step
@@ -98,14 +108,24 @@ class IndexStager:
                 f"more than {self.lists_per_step} index lists staged in one step"
             )
         self._lists += len(lists)
-        lengths = [len(values) for values in lists]
         start = end = self._end
         row = self._host_np[self._set]
-        for values, length in zip(lists, lengths):
+        # Pieces of the split: what lies before, then per list its values
+        # and its padding, then the rest.
+        sizes = [start]
+        for values in lists:
+            length = len(values)
             row[end:end + length] = values
-            end += length
+            padded = self._padded(length)
+            sizes += [length, padded - length]
+            end += padded
         self._end = end
         device_set = self._device_sets[self._set]
         if self._device is not self._host:
             device_set[start:end].copy_(self._host_sets[self._set][start:end], non_blocking=True)
-        return device_set.split_with_sizes([start, *lengths, len(device_set) - end])[1:-1]
+        sizes.append(len(device_set) - end)
+        return device_set.split_with_sizes(sizes)[1:-1:2]
+
+    def _padded(self, length: int) -> int:
+        """``length`` elements rounded up to whole alignments."""
+        return -(-length // self._align) * self._align

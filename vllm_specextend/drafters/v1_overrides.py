@@ -8,7 +8,8 @@ control, a :class:`DraftControl`, and changes only this:
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
   attention layer (and gives an EAGLE head's control its kept hidden states);
 - ``initialize_attn_backend`` binds it to the KV cache (tap, plain draft KV
-  copy);
+  copy), and tells control which decode steps replay FULL CUDA graphs (vLLM
+  has settled its graph mode by then);
 - ``propose`` asks control for each request's drafts (none: the draft's
   forward is skipped), plans, per request, which KV blocks the draft keeps,
   from the V1 attention metadata, and lets control put the tokens a skipped
@@ -38,7 +39,11 @@ from vllm_specextend.core.planner import DraftView, PlanningBatch
 from vllm_specextend.core.repositioning import token_rows
 from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.drafters.features import DrafterFeatures
-from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, kept_setup
+from vllm_specextend.retrieval.engine_options import (
+    SETUP_ATTRIBUTE,
+    full_decode_graph_query_len,
+    kept_setup,
+)
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -70,7 +75,6 @@ class V1Overrides(DrafterFeatures):
                 keeps_hidden_states=not self.needs_extra_input_slots,
                 compact_positions=setup.compact_positions,
                 steps_in_flight=setup.steps_in_flight,
-                full_graph_query_len=setup.full_graph_query_len,
                 max_num_reqs=self.max_batch_size,
                 max_num_tokens=self.max_num_tokens,
                 device=device,
@@ -113,6 +117,12 @@ class V1Overrides(DrafterFeatures):
         if self.retrieval is not None:
             self.retrieval.bind_kv_cache(kv_cache_config, self.block_size, self.model)
             assert self.retrieval.kv_cache_gid == self.kv_cache_gid
+        if self.control is not None:
+            # vLLM has just settled its graph mode for the attention backends
+            # (GPUModelRunner.initialize_attn_backend, before this call): it
+            # may differ from the engine config's when the drafter was built.
+            self.control.set_full_graph_query_len(
+                full_decode_graph_query_len(self.vllm_config))
 
     # ---- the seam into drafting ------------------------------------------
 
@@ -134,11 +144,16 @@ class V1Overrides(DrafterFeatures):
                 return torch.empty(len(batch.req_ids), 0, dtype=torch.int64,
                                    device=self.device)
             num_speculative_tokens = min(num_speculative_tokens, draft_steps)
-        if self.retrieval is not None:
-            self._draft_view = self.retrieval.plan(batch)
-        if controlled:
+            # Before retrieval plans: the catch-up runs as part of its rows'
+            # queries, which the recent window is kept before.
+            target_pass = kwargs["common_attn_metadata"]
             kwargs = self.control.with_catch_up(
                 kwargs, batch, self.runner.input_batch.token_ids_cpu, self.block_size)
+            first_pass = kwargs["common_attn_metadata"]
+            if first_pass is not target_pass:
+                batch.draft_query_start_loc = first_pass.query_start_loc[: batch.num_reqs + 1]
+        if self.retrieval is not None:
+            self._draft_view = self.retrieval.plan(batch)
         try:
             return super().propose(num_speculative_tokens, **kwargs)
         finally:

@@ -78,6 +78,20 @@ def check_mrv2_data_parallel(vllm_config: Any) -> None:
         )
 
 
+def check_mrv2_adaptive_verification(vllm_config: Any) -> None:
+    """Model Runner V2's adaptive verification re-allocates each request's
+    drafts on the device after the scheduler's step, so the query boundaries
+    the draft reads differ from the host query lengths the planner classifies
+    rows and places the recent window by (``drafters/mrv2_overrides.py``)."""
+    if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
+        raise SpecExtendConfigError(
+            "spec_extend does not support enable_adaptive_verification=True in Model "
+            "Runner V2: it moves each request's query boundaries on the device, while "
+            "retrieval plans the draft's view from the host query lengths. Remove "
+            "enable_adaptive_verification from speculative_config, or spec_extend."
+        )
+
+
 def check_mtp(spec: Any, use_v2_model_runner: bool) -> None:
     """MTP layers with their own attention over the target's KV cache group run
     in vLLM's EAGLE drafters; other MTP designs have drafters of their own."""

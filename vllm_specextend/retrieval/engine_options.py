@@ -58,10 +58,6 @@ class RetrievalSetup:
     draft KV into blocks of their own (:func:`private_layout_blocks`), not
     into cached blocks other requests share."""
     max_num_seqs: int = 0
-    full_graph_query_len: int | None = None
-    """Query length of every request in a decode step that replays the
-    target's FULL CUDA graphs (``1 + K``, vLLM's FULL decode graphs); None:
-    no FULL decode graphs (CPU, eager, PIECEWISE only)."""
 
 
 def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
@@ -106,7 +102,6 @@ def resolve_setup(vllm_config: Any) -> RetrievalSetup | None:
         private_layouts=(compact and config.private_layouts
                          and bool(vllm_config.cache_config.enable_prefix_caching)),
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        full_graph_query_len=full_decode_graph_query_len(vllm_config),
     )
 
 
@@ -165,8 +160,10 @@ def _check_features(vllm_config: Any, config: SpecExtendConfig, method: str) -> 
         engine_checks.check_speculation_control(vllm_config)
     if config.retrieves and config.retrieval_refresh == "acceptance":
         engine_checks.check_acceptance_refresh(vllm_config)
-    if config.retrieves and vllm_config.use_v2_model_runner and method != "draft_model":
-        engine_checks.check_mrv2_data_parallel(vllm_config)
+    if config.retrieves and vllm_config.use_v2_model_runner:
+        engine_checks.check_mrv2_adaptive_verification(vllm_config)
+        if method != "draft_model":
+            engine_checks.check_mrv2_data_parallel(vllm_config)
 
 
 _KEPT_SETUPS: dict[int, RetrievalSetup | None] = {}
@@ -195,7 +192,13 @@ def full_decode_graph_query_len(vllm_config: Any) -> int | None:
     decode batches (``cudagraph_mode`` FULL_DECODE_ONLY or FULL_AND_PIECEWISE,
     vLLM's GPU default): its dispatcher takes a batch as one only when every
     request verifies ``1 + K`` tokens; any other decode batch runs PIECEWISE
-    (or eagerly). None otherwise (FULL for every batch, PIECEWISE, none)."""
+    (or eagerly). None otherwise (FULL for every batch, PIECEWISE, none).
+
+    Read it once vLLM has settled the mode, not when the engine is built: the
+    V1 runner resolves it against its attention backends
+    (``GPUModelRunner.initialize_attn_backend``; FULL may become
+    FULL_DECODE_ONLY or FULL_AND_PIECEWISE, FULL decode graphs NONE or
+    PIECEWISE), after it has built the drafter."""
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if mode is None or mode.decode_mode().name != "FULL" or not mode.separate_routine():
         return None
