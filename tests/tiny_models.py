@@ -2,7 +2,8 @@
 
 A byte-level BPE tokenizer is trained on the Austen prose shipped in
 ``corpus/``; Llama and Qwen2 models with
-random weights are saved in float32 next to it. Everything is cached by a key
+random weights are saved in float32 next to it, and one Llama built by hand
+on which retrieval matters (``build_needle_model``). Everything is cached by a key
 of the build parameters, so a test session builds each model once.
 """
 
@@ -284,11 +285,6 @@ def build_mtp_target(spec: TinyModelSpec, num_mtp_layers: int = 1) -> Path:
     return _atomic_build(target, build)
 
 
-if __name__ == "__main__":
-    for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
-        print(build_model(s))
-
-
 # --- A model on which retrieval matters ---------------------------------------
 #
 # Random weights attend everywhere a little, so on them a draft that sees part
@@ -315,6 +311,7 @@ NEEDLE_SPEC = TinyModelSpec("llama", 64, 1, 2, 1, intermediate_size=64, seed=0)
 def build_needle_model() -> Path:
     """The hand-built needle model (``NEEDLE_SPEC``'s shapes, float32)."""
     spec = NEEDLE_SPEC
+    # Bump "needle" when needle_weights changes: the key does not see it.
     target = cache_root() / f"needle-{_key({**asdict(spec), 'needle': 1})}"
 
     def build(out: Path) -> None:
@@ -388,3 +385,8 @@ def needle_prompt(length: int, needle: int, depth: int, seed: int = 0) -> list[i
     prompt = [rng.randrange(*HAYSTACK_TOKENS) for _ in range(length)]
     prompt[depth] = NEEDLE_TOKENS[needle]
     return prompt
+
+
+if __name__ == "__main__":
+    for s in (TARGET_LLAMA, DRAFT_LLAMA, TARGET_QWEN2, DRAFT_QWEN2):
+        print(build_model(s))

@@ -117,9 +117,9 @@ def test_cmr_keeps_each_needle_at_every_step_and_accepts_every_draft(needle_runs
     kept), the planner ranking chunks by zeros, by position or at random."""
     token_ids, counters, records = needle_runs[name]
     assert token_ids == [[ANSWER_TOKENS[i]] * MAX_TOKENS for i in range(len(DEPTHS))]
-    # Measured: 96 of 96 drafts accepted (both), 24 compacted rows.
+    # Measured: 96 of 96 drafts accepted, 32 compacted row steps (both).
     assert counters["num_accepted_tokens"] >= 0.9 * counters["num_draft_tokens"] > 0
-    assert len(records) >= 20
+    assert len(records) >= 28
     for needle_block, kept, blocks in records:
         assert outside_recent_window(kept, blocks) == {0, needle_block}, (needle_block, kept)
     # Each prompt's needle sits elsewhere, and so do the blocks kept.
