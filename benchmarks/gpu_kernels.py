@@ -22,11 +22,14 @@ Before / after in one run: ``--baseline DIR`` runs the same measurements,
 first, in a second process whose ``vllm_specextend`` is DIR's (a copy of an
 older commit's package; this checkout's benchmark drives it through the
 planner's API), and the results sit side by side. On a lent H100, from the
-repository root (the old package made once, here:
-``mkdir -p build/base && git archive a9de45a vllm_specextend | tar -x -C build/base``,
-then carried to the machine):
+repository root, with the old package made once here (``build/`` is
+untracked: carry it to the machine) --
 
-    python3 -m benchmarks.gpu_kernels --device cuda --paths triton --repeats 20 --baseline build/base --baseline-label a9de45a --out "$OUT/gpu-kernels"
+    mkdir -p build/base && git archive 5dc3f39 vllm_specextend | tar -x -C build/base
+
+-- the run (about 3 minutes, both processes' compiles included):
+
+    python3 -m benchmarks.gpu_kernels --device cuda --paths triton --repeats 20 --baseline build/base --baseline-label 5dc3f39 --out "$OUT/gpu-kernels"
 
 (drop ``--paths triton`` to time the torch path too; without matplotlib
 there, redraw the PNG with ``--replot DIR``). On CPU (the torch path only,
@@ -54,7 +57,7 @@ from benchmarks.gpu_batches import (
     BLOCK_SIZE, CHUNK, HEAD_DIM, HEADS, K, KV_HEADS, QUERY_ROWS, BatchSpec, dense_chunk_sums,
     key_bytes, make_inputs, parse_grid, plan_score_errors, planning_batch, uniform_query_rows,
 )
-from benchmarks.gpu_kernels_report import plot, write
+from benchmarks.gpu_kernels_report import plot, summary_line, write
 from benchmarks.report import git_commit
 from benchmarks.sync_sites import SyncSites
 from vllm_specextend.core.options import SpecExtendConfig
@@ -314,18 +317,6 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({name}, {torch.get_num_threads()} threads)"
 
 
-def _summary(size: dict, path: str, r: dict) -> str:
-    split = (f" (host {r['plan_host_ms']:.3f}, device {r['device_ms']:.3f})"
-             if "device_ms" in r else f" (host {r['plan_host_ms']:.3f})")
-    share = r.get("plan_scoring_share_of_copy_bandwidth")
-    return (f"{size['batch']} [{size['tokens']:,} tokens]: {path} plan {r['plan_ms']:.3f} ms"
-            f"{split}, one read {size['one_read_ms']:.3f} ms ({r['plan_over_one_read']:.1f}x), "
-            f"bar {size['bar_ms']:.3f} ms ({r['plan_over_bar']:.2f} of it), scoring "
-            + ("-" if share is None else f"{100 * share:.0f}%") + " of copy, "
-            f"{100 * r['plan_share_of_decode_floor']:.1f}% of the decode floor, dense error "
-            f"{r['plan_max_rel_error_vs_dense']:.1e}")
-
-
 def run(args) -> dict:
     device = torch.device(args.device)
     import vllm_specextend
@@ -348,7 +339,7 @@ def run(args) -> dict:
         size = run_size(device, spec, args.path_list, args.repeats, bandwidth, args.profile)
         result["sizes"].append(size)
         for path, r in size["paths"].items():
-            print(_summary(size, path, r), flush=True)
+            print(summary_line(size, path, r), flush=True)
     return result
 
 
@@ -362,7 +353,7 @@ sys.path.insert(0, base)  # the package measured: the baseline's
 import vllm_specextend
 assert vllm_specextend.__file__.startswith(base), vllm_specextend.__file__
 from benchmarks.gpu_kernels import main
-main(["--out", out, *sys.argv[4:]])
+main(["--out", out, "--no-table", *sys.argv[4:]])
 """
 
 
@@ -421,6 +412,7 @@ def main(argv=None) -> None:
                         help="the baseline's name in the results (default: its folder's)")
     parser.add_argument("--replot", type=Path, default=None,
                         help="redraw DIR/results.png from DIR/results.json")
+    parser.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.replot:
@@ -438,7 +430,9 @@ def main(argv=None) -> None:
     result = run(args)
     if baseline:
         result = merge_baseline(result, *baseline)
-    print(write(result, out))
+    table = write(result, out)
+    if not args.no_table:  # (the baseline's process: its parent prints both)
+        print(table)
 
 
 if __name__ == "__main__":

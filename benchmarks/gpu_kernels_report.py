@@ -30,6 +30,19 @@ def _sync_summary(sites: dict) -> str:
     return "none" if not listed else "; ".join(listed)
 
 
+def summary_line(size: dict, path: str, r: dict) -> str:
+    """One batch and path, as the run prints it."""
+    split = (f" (host {r['plan_host_ms']:.3f}, device {r['device_ms']:.3f})"
+             if "device_ms" in r else f" (host {r['plan_host_ms']:.3f})")
+    share = r.get("plan_scoring_share_of_copy_bandwidth")
+    return (f"{size['batch']} [{size['tokens']:,} tokens]: {path} plan {r['plan_ms']:.3f} ms"
+            f"{split}, one read {size['one_read_ms']:.3f} ms ({r['plan_over_one_read']:.1f}x), "
+            f"bar {size['bar_ms']:.3f} ms ({r['plan_over_bar']:.2f} of it), scoring "
+            + ("-" if share is None else f"{100 * share:.0f}%") + " of copy, "
+            f"{100 * r['plan_share_of_decode_floor']:.1f}% of the decode floor, dense error "
+            f"{r['plan_max_rel_error_vs_dense']:.1e}")
+
+
 def write(result: dict, out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
