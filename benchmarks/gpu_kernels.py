@@ -21,7 +21,8 @@ rewrite, as before.
 Before / after in one run: ``--baseline DIR`` runs the same measurements,
 first, in a second process whose ``vllm_specextend`` is DIR's (a copy of an
 older commit's package; this checkout's benchmark drives it through the
-planner's API), and the results sit side by side. On a lent H100, from the
+planner's API), and the results sit side by side (the baseline's alone in
+``OUT/baseline-LABEL``; if its process fails, this checkout is measured alone). On a lent H100, from the
 repository root, with the old package made once here (``build/`` is
 untracked: carry it to the machine) --
 
@@ -46,7 +47,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -357,19 +357,23 @@ main(["--out", out, "--no-table", *sys.argv[4:]])
 """
 
 
-def run_baseline(args, label: str) -> dict:
+def run_baseline(args, label: str, out: Path) -> dict | None:
     """The same grid and paths, measured in a second process whose
-    ``vllm_specextend`` is ``args.baseline``'s."""
+    ``vllm_specextend`` is ``args.baseline``'s (its results also in
+    ``out``); None, with the error shown, if that process fails."""
     base = str(Path(args.baseline).resolve())
     forwarded = ["--device", args.device, "--repeats", str(args.repeats),
                  "--grid", ",".join(spec.text for spec in args.grid_specs),
                  "--paths", ",".join(args.path_list)] + (["--profile"] if args.profile else [])
     print(f"== baseline {label} ({base}), in a second process ==", flush=True)
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "SPECEXTEND_COMMIT": label}
-        subprocess.run([sys.executable, "-c", BASELINE_BOOTSTRAP, str(REPO), base, out,
-                        *forwarded], check=True, env=env)
-        return json.loads((Path(out) / "results.json").read_text())
+    env = {**os.environ, "SPECEXTEND_COMMIT": label}
+    done = subprocess.run([sys.executable, "-c", BASELINE_BOOTSTRAP, str(REPO), base, str(out),
+                           *forwarded], env=env)
+    if done.returncode:
+        print(f"== baseline {label} failed (exit {done.returncode}): measuring this checkout "
+              "alone ==", flush=True)
+        return None
+    return json.loads((out / "results.json").read_text())
 
 
 def merge_baseline(result: dict, baseline: dict, label: str) -> dict:
@@ -425,11 +429,11 @@ def main(argv=None) -> None:
     baseline = None
     if args.baseline:  # first: this process has not touched the device yet
         label = args.baseline_label or Path(args.baseline).resolve().name
-        baseline = (run_baseline(args, label), label)
+        baseline = run_baseline(args, label, out / f"baseline-{label}")
         print(f"== this checkout ({git_commit()}) ==", flush=True)
     result = run(args)
     if baseline:
-        result = merge_baseline(result, *baseline)
+        result = merge_baseline(result, baseline, label)
     table = write(result, out)
     if not args.no_table:  # (the baseline's process: its parent prints both)
         print(table)
