@@ -1,4 +1,4 @@
-"""The package's layers (README "Architecture"): imports only point down,
+"""The package's layers (docs/design.md, "Package layout"): imports only point down,
 counting imports inside functions and imports of a package ``__init__``, and
 the core imports no vLLM."""
 

@@ -1,6 +1,7 @@
-"""The planner on its CUDA kernels (``use_kernels``: the scoring kernels with
-their gather and chunk-means launches, selection, the table rewrite and the
-step record) plans what it plans on torch ops: the same draft views (block
+"""The planner on its CUDA kernels (``use_kernels``: the scoring launches over
+a work list of the rows' lengths, writing the chunk means into the request
+slots, and one launch for selection, the table rewrite and the step record)
+plans what it plans on torch ops: the same draft views (block
 tables, removed tokens, kept context lengths, re-positioned rows), chunk
 scores and metrics, step after step, for cmr (scored at the last token and
 over the accepted tokens, refreshed by acceptance), streaming and compact
@@ -14,7 +15,8 @@ not.
 
 Mutations that fail it (each tried): the gathered query rows one token off;
 a one-token chunk's mean halved; tokens gained counted without the +1; a
-one-token query counted as a verification. (Selection and the rewrite have
+one-token query counted as a verification; the due slots' accepted-token
+scores never zeroed by the select-and-rewrite launch. (Selection and the rewrite have
 their own, finer test: test_selection_triton.py.)
 """
 

@@ -166,7 +166,7 @@ from triton.compiler import ASTSource
 from vllm_specextend.core import _scoring_triton_kernels as source
 from vllm_specextend.core import _selection_triton_kernels as selection
 from vllm_specextend.core.scoring_triton import (
-    CHUNKS_BLOCK_C, CHUNKS_BLOCK_RH, GATHER_BLOCK, MEANS_BLOCK_C, ROWS_BLOCK_G, ROWS_BLOCK_RH)
+    CHUNKS_BLOCK_C, CHUNKS_BLOCK_RH, MEANS_BLOCK_C, SPLITS_BLOCK)
 from vllm_specextend.core.selection_triton import BLOCKS_PER_STEP, CHUNKS_PER_STEP
 
 def compile(fn, types, constexprs, aligned=()):
@@ -190,41 +190,55 @@ def compile(fn, types, constexprs, aligned=()):
             "async_16_byte_loads": ptx.count("cp.async.cg.shared.global"),
             "usage": usage.strip().splitlines()[-1]}
 
+granules_types = {
+    "q_ptr": "*bf16", "qpos_ptr": "*i64", "last_ptr": "*i32", "start_ptr": "*i32",
+    "rows_ptr": "*i64", "k_ptr": "*bf16", "table_ptr": "*i32", "work_ptr": "*i64",
+    "lse_ptr": "*fp32", "split_lse_ptr": "*fp32", "scale_log2": "fp32"}
+granules_constants = dict(
+    q_stride_d=1, k_stride_d=1, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32,
+    BLOCK_SIZE=16, GRANULE=32, GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32",
+    DOT_IN_FP32=False)
+chunks_types = {"lse_ptr": "*fp32", "split_lse_ptr": "*fp32", "work_ptr": "*i64",
+                "rows_ptr": "*i64", "seq_lens_ptr": "*i32", "slots_ptr": "*i64",
+                "out_ptr": "*fp32"}
+chunks_constants = dict(GRANULES_PER_CHUNK=1, BLOCK_RH=CHUNKS_BLOCK_RH, BLOCK_C=CHUNKS_BLOCK_C,
+                        BLOCK_S=SPLITS_BLOCK)
 found = {
-    "granules": compile(source.granule_logsumexp_kernel,
-        {"q_ptr": "*bf16", "qpos_ptr": "*i64", "k_ptr": "*bf16", "table_ptr": "*i32",
-         "out_ptr": "*fp32", "scale_log2": "fp32"},
-        dict(q_stride_d=1, k_stride_d=1, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32,
-             BLOCK_SIZE=16, GRANULE=32, GRANULE_PAD=32, GRANULES_PER_TILE=2, PRECISION="tf32",
-             DOT_IN_FP32=False),
-        aligned=["k_stride_slot", "k_stride_h", "num_heads"]),
-    "rows": compile(source.row_logsumexp_kernel, {"lse_ptr": "*fp32", "out_ptr": "*fp32"},
-                    dict(BLOCK_RH=ROWS_BLOCK_RH, BLOCK_G=ROWS_BLOCK_G)),
-    "chunks": compile(source.chunk_sum_kernel,
-                      {"lse_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*fp32"},
-                      dict(GRANULES_PER_CHUNK=1, BLOCK_RH=CHUNKS_BLOCK_RH, BLOCK_C=CHUNKS_BLOCK_C)),
-    # The planner's small launches around scoring (the gather, the means,
-    # selection, the rewrite with the record): the types the planner passes.
-    "gather": compile(source.gather_query_rows_kernel,
-        {"rows_ptr": "*i64", "last_ptr": "*i32", "start_ptr": "*i32", "positions_ptr": "*i64",
-         "q_ptr": "*bf16", "table_ptr": "*i32", "q_out_ptr": "*bf16", "qpos_out_ptr": "*i64",
-         "table_out_ptr": "*i32"},
-        dict(QUERY_ROWS=5, HEAD_ELEMS=4096, BLOCK_E=GATHER_BLOCK, BLOCK_B=GATHER_BLOCK)),
+    # The planner's scoring (a work list, queries read by token) and the
+    # uniform rows of chunk_attention_sums.
+    "granules": compile(source.granule_logsumexp_kernel, granules_types,
+                        dict(granules_constants, WORK_LIST=True),
+                        aligned=["k_stride_slot", "k_stride_h", "num_heads"]),
+    "granules-uniform": compile(source.granule_logsumexp_kernel, granules_types,
+                                dict(granules_constants, WORK_LIST=False),
+                                aligned=["k_stride_slot", "k_stride_h", "num_heads"]),
+    "chunks": compile(source.chunk_scores_kernel, chunks_types,
+                      dict(chunks_constants, WORK_LIST=True, OUTPUT=1)),
+    "chunks-uniform": compile(source.chunk_scores_kernel, chunks_types,
+                              dict(chunks_constants, WORK_LIST=False, OUTPUT=0)),
+    # The planner's small launches around scoring (the means of
+    # tensor-parallel ranks, the selection with the rewrite and the record,
+    # the rewrite alone): the types the planner passes.
     "means": compile(source.chunk_means_kernel,
         {"sums_ptr": "*fp32", "rows_ptr": "*i64", "seq_lens_ptr": "*i32", "slots_ptr": "*i64",
          "out_ptr": "*fp32"}, dict(ACCUMULATE=True, BLOCK_C=MEANS_BLOCK_C)),
     "select": compile(selection.select_blocks_kernel,
-        {"score_ptr": "*fp32", "recent_ptr": "*i8", "keep_ptr": "*i8",
-         "rows_ptr": "*i64", "keep_rows_ptr": "*i64", "seq_lens_ptr": "*i32",
-         "start_ptr": "*i32"},
-        dict(FROM_BATCH=True, BY_POSITION=False, BLOCK_C=CHUNKS_PER_STEP,
+        {"score_ptr": "*fp32", "recent_ptr": "*i64", "keep_ptr": "*i8"},
+        dict(BY_POSITION=False, BLOCK_C=CHUNKS_PER_STEP, BLOCK_B=BLOCKS_PER_STEP)),
+    "select-and-compact": compile(selection.select_and_compact_kernel,
+        {"score_ptr": "*fp32", "selected_ptr": "*i8", "table_ptr": "*i32", "out_ptr": "*i32",
+         "removed_ptr": "*i32", "slot_of_row_ptr": "*i64", "due_of_row_ptr": "*i64",
+         "seq_lens_ptr": "*i32", "start_ptr": "*i32", "window_start_ptr": "*i32",
+         "last_ptr": "*i32", "kept_lens_ptr": "*i32", "per_slot_ptr": "*i64",
+         "totals_ptr": "*i64"},
+        dict(BY_POSITION=False, ZERO_SCORES=True, BLOCK_C=CHUNKS_PER_STEP,
              BLOCK_B=BLOCKS_PER_STEP)),
     "compact": compile(selection.compact_block_table_kernel,
         {"table_ptr": "*i32", "keep_ptr": "*i8", "out_ptr": "*i32", "removed_ptr": "*i32",
          "slot_of_row_ptr": "*i64", "seq_lens_ptr": "*i32", "start_ptr": "*i32",
          "last_ptr": "*i32", "kept_lens_ptr": "*i32", "per_slot_ptr": "*i64",
          "totals_ptr": "*i64"},
-        dict(FROM_SLOTS=True, RECORD=True, BLOCK_B=BLOCKS_PER_STEP)),
+        dict(RECORD=True, BLOCK_B=BLOCKS_PER_STEP)),
 }
 print(json.dumps(found))
 """
@@ -232,23 +246,25 @@ print(json.dumps(found))
 
 def test_kernels_compile_for_an_h100_without_spills(tmp_path):
     """The interpreter checks what the kernels compute, not that they
-    compile: compile the three scoring kernels and the planner's four small
-    ones for sm_90 (Triton's bundled ptxas; no GPU
-    needed), the 8B-class bf16 configuration, specialised as the launcher
-    does. The logits are a tensor-core MMA, the keys arrive as pipelined
-    16-byte async copies, and nothing spills (no local memory, no stack).
-    Fails on the logits as a broadcast product instead of ``tl.dot``, on
-    the normaliser kernel's first tile size (64 x 128: a 640-byte stack),
-    and on a tile loop left unpipelined (``num_stages=1``: no async copies)."""
+    compile: compile both scoring kernels (the planner's work-list variant
+    and the uniform one) and the planner's small ones for sm_90 (Triton's
+    bundled ptxas; no GPU needed), the 8B-class bf16 configuration,
+    specialised as the launcher does. The logits are a tensor-core MMA, the
+    keys arrive as pipelined 16-byte async copies, and nothing spills (no
+    local memory, no stack). Fails on a tile loop left unpipelined
+    (``num_stages=1``: no async copies; tried on the work-list kernel), and
+    failed on the logits as a broadcast product instead of ``tl.dot`` and on
+    the former normaliser launch's 64 x 128 tile (a 640-byte stack)."""
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)],
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1",
                                  "TRITON_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
-    assert found["granules"]["mma"], found
-    # The keys: 16-byte copies into shared memory, a tile ahead of the MMA.
-    assert found["granules"]["async_16_byte_loads"] > 0, found
+    for kernel in ("granules", "granules-uniform"):
+        assert found[kernel]["mma"], found
+        # The keys: 16-byte copies into shared memory, a tile ahead of the MMA.
+        assert found[kernel]["async_16_byte_loads"] > 0, found
     for kernel, info in found.items():
         assert " LOCAL:0 " in info["usage"] and " STACK:0 " in info["usage"], (kernel, info)
 

@@ -1,9 +1,9 @@
 """Triton kernels of ``core/selection_triton.py`` (see its docstring), as
 plain functions: ``selection_triton._kernels`` jits them on first use, for
 the GPU or for Triton's interpreter (this module is imported then, so its
-helper is jitted after TRITON_INTERPRET is read). One program per row.
-Kernel bodies run to 65-76 lines: each is one program's loop over a row,
-with its pointer arithmetic, and reads best in one piece."""
+helpers are jitted after TRITON_INTERPRET is read). One program per row.
+``_select_row`` runs to 50 lines: one program's radix select over a row
+reads best in one piece."""
 
 import triton
 import triton.language as tl
@@ -33,39 +33,16 @@ def _candidate_keys(score_row, chunk, num_chunks, recent, sink_blocks, blocks_pe
     return tl.where(candidate, key, -1)
 
 
-def select_blocks_kernel(
-    score_ptr, recent_ptr, keep_ptr, rows_ptr, keep_rows_ptr, seq_lens_ptr, start_ptr,
-    score_stride, keep_stride,
-    num_chunks, num_blocks, top_k, sink_blocks, blocks_per_chunk, recent_tokens, block_size,
-    FROM_BATCH: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """A row's kept blocks: the sink, everything from the recent window's
-    first block, and the blocks of its ``top_k`` best candidate chunks
-    (whole chunks between the sink and the recent window, with a finite
-    score; ties go to the earlier chunk).
+@triton.jit
+def _select_row(score_row, keep_row, recent, num_chunks, num_blocks, top_k, sink_blocks,
+                blocks_per_chunk, BY_POSITION: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_B: tl.constexpr):
+    """A row's kept blocks (see :func:`select_blocks_kernel`), its mask
+    written to ``keep_row``.
 
     The top-k without a sort: a radix select finds the k-th best key bit by
     bit (32 counting passes over the row's scores), then the chunks above it
-    and the earliest of those equal to it are picked.
-
-    ``FROM_BATCH``: row ``i`` is batch row ``rows[i]``, whose recent window
-    starts ``recent_tokens`` before its query (from ``seq_lens`` and the
-    query starts); its scores and its mask are row ``keep_rows[i]`` of
-    ``score`` and ``keep`` (request slots). Else the window's first block is
-    ``recent[i]`` and the rows are ``i``."""
-    i = tl.program_id(0).to(tl.int64)
-    if FROM_BATCH:
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        query_len = tl.load(start_ptr + row + 1) - tl.load(start_ptr + row)
-        first_query_pos = tl.load(seq_lens_ptr + row) - query_len
-        recent = (tl.maximum(first_query_pos - recent_tokens, 0) // block_size).to(tl.int32)
-        out_row = tl.load(keep_rows_ptr + i).to(tl.int64)
-    else:
-        recent = tl.load(recent_ptr + i).to(tl.int32)
-        out_row = i
-    keep_row = keep_ptr + out_row * keep_stride
-    score_row = score_ptr + out_row * score_stride
+    and the earliest of those equal to it are picked."""
     b = tl.arange(0, BLOCK_B)
     for start in range(0, num_blocks, BLOCK_B):
         block = start + b
@@ -111,33 +88,36 @@ def select_blocks_kernel(
         ties_before += tl.sum(tie.to(tl.int32), 0)
 
 
-def compact_block_table_kernel(
-    table_ptr, keep_ptr, out_ptr, removed_ptr,
-    slot_of_row_ptr, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr, per_slot_ptr, totals_ptr,
-    table_stride, keep_stride, out_stride,
-    num_blocks, block_size, num_reqs, keep_width,
-    FROM_SLOTS: tl.constexpr, RECORD: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """A row's table with its kept blocks first and the rest after them,
-    each in their original order, and the tokens removed.
+@triton.jit
+def _recent_start_block(row, seq_lens_ptr, start_ptr, recent_tokens, block_size):
+    """Batch row ``row``'s recent window's first block: ``recent_tokens``
+    before its query (starts ``start_ptr``), rounded down to a block."""
+    query_len = tl.load(start_ptr + row + 1) - tl.load(start_ptr + row)
+    first_query_pos = tl.load(seq_lens_ptr + row) - query_len
+    return (tl.maximum(first_query_pos - recent_tokens, 0) // block_size).to(tl.int32)
 
-    ``FROM_SLOTS`` (a decode step): the row's kept blocks are its request
-    slot's selection (``keep`` row ``slot_of_row[row]``, its first
-    ``keep_width`` blocks; later blocks and rows without a slot keep
-    everything); else ``keep`` row ``row``. ``RECORD`` (the planner's step):
-    it also writes the row's kept context length (before its query) and, for
-    a row with a slot, records the step in the slot's counters and the totals
-    (as ``RetrievalStats.record_rows``)."""
-    row = tl.program_id(0).to(tl.int64)
+
+def select_blocks_kernel(
+    score_ptr, recent_ptr, keep_ptr, score_stride, keep_stride,
+    num_chunks, num_blocks, top_k, sink_blocks, blocks_per_chunk,
+    BY_POSITION: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Row ``i``'s kept blocks: the sink, everything from the recent
+    window's first block ``recent[i]``, and the blocks of its ``top_k`` best
+    candidate chunks (whole chunks between the sink and the recent window,
+    with a finite score; ties go to the earlier chunk)."""
+    i = tl.program_id(0).to(tl.int64)
+    _select_row(score_ptr + i * score_stride, keep_ptr + i * keep_stride,
+                tl.load(recent_ptr + i).to(tl.int32), num_chunks, num_blocks, top_k, sink_blocks,
+                blocks_per_chunk, BY_POSITION, BLOCK_C, BLOCK_B)
+
+
+@triton.jit
+def _compact_row(table_row, keep_row, out_row, keep_limit, num_blocks, BLOCK_B: tl.constexpr):
+    """A row's table with its kept blocks first and the rest after them,
+    each in their original order (blocks from ``keep_limit`` on are kept);
+    returns the blocks kept."""
     b = tl.arange(0, BLOCK_B)
-    if RECORD:
-        slot = tl.load(slot_of_row_ptr + row, mask=row < num_reqs, other=-1).to(tl.int64)
-    if FROM_SLOTS:
-        keep_row = keep_ptr + tl.maximum(slot, 0) * keep_stride
-        keep_limit = tl.where(slot >= 0, keep_width, 0)
-    else:
-        keep_row = keep_ptr + row * keep_stride
-        keep_limit = num_blocks
     num_kept = tl.zeros((), tl.int32)
     for start in range(0, num_blocks, BLOCK_B):
         block = start + b
@@ -154,25 +134,99 @@ def compact_block_table_kernel(
         kept_rank = tl.cumsum(keep.to(tl.int32), 0)
         gone_rank = tl.cumsum(gone.to(tl.int32), 0)
         dest = tl.where(keep, kept_before + kept_rank - 1, num_kept + removed_before + gone_rank - 1)
-        value = tl.load(table_ptr + row * table_stride + block, mask=in_row, other=0)
-        tl.store(out_ptr + row * out_stride + dest, value, mask=in_row)
+        value = tl.load(table_row + block, mask=in_row, other=0)
+        tl.store(out_row + dest, value, mask=in_row)
         kept_before += tl.sum(keep.to(tl.int32), 0)
         removed_before += tl.sum(gone.to(tl.int32), 0)
+    return num_kept
+
+
+@triton.jit
+def _record_row(row, slot, removed, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr,
+                per_slot_ptr, totals_ptr):
+    """A row's kept context length (before its query) and, for a row with a
+    slot, the step recorded in the slot's counters and the totals (as
+    ``RetrievalStats.record_rows``)."""
+    first = tl.load(start_ptr + row)
+    query_len = tl.load(start_ptr + row + 1) - first
+    seq_len = tl.load(seq_lens_ptr + row)
+    tl.store(kept_lens_ptr + row, seq_len - query_len - removed)
+    if slot >= 0:
+        gained = tl.where(query_len > 1, tl.load(last_ptr + row) - first + 1, 0)
+        step = tl.zeros((4,), tl.int64) + tl.where(
+            tl.arange(0, 4) == 0, seq_len.to(tl.int64), tl.where(
+                tl.arange(0, 4) == 1, (seq_len - removed).to(tl.int64), tl.where(
+                    tl.arange(0, 4) == 2, (gained > 0).to(tl.int64),
+                    gained.to(tl.int64))))
+        target = per_slot_ptr + slot * 4 + tl.arange(0, 4)
+        tl.store(target, tl.load(target) + step)
+        tl.atomic_add(totals_ptr + tl.arange(0, 4), step)
+
+
+def compact_block_table_kernel(
+    table_ptr, keep_ptr, out_ptr, removed_ptr,
+    slot_of_row_ptr, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr, per_slot_ptr, totals_ptr,
+    table_stride, keep_stride, out_stride, num_blocks, block_size, num_reqs,
+    RECORD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """A row's table with its kept blocks (``keep`` row ``row``) first and
+    the rest after them, each in their original order, and the tokens
+    removed. ``RECORD`` (the planner's step): it also writes the row's kept
+    context length and records the step for a row with a slot
+    (``slot_of_row``; :func:`_record_row`)."""
+    row = tl.program_id(0).to(tl.int64)
+    num_kept = _compact_row(table_ptr + row * table_stride, keep_ptr + row * keep_stride,
+                            out_ptr + row * out_stride, num_blocks, num_blocks, BLOCK_B)
     removed = (num_blocks - num_kept) * block_size
     tl.store(removed_ptr + row, removed)
     if RECORD:
         if row < num_reqs:
-            first = tl.load(start_ptr + row)
-            query_len = tl.load(start_ptr + row + 1) - first
-            seq_len = tl.load(seq_lens_ptr + row)
-            tl.store(kept_lens_ptr + row, seq_len - query_len - removed)
-            if slot >= 0:
-                gained = tl.where(query_len > 1, tl.load(last_ptr + row) - first + 1, 0)
-                step = tl.zeros((4,), tl.int64) + tl.where(
-                    tl.arange(0, 4) == 0, seq_len.to(tl.int64), tl.where(
-                        tl.arange(0, 4) == 1, (seq_len - removed).to(tl.int64), tl.where(
-                            tl.arange(0, 4) == 2, (gained > 0).to(tl.int64),
-                            gained.to(tl.int64))))
-                target = per_slot_ptr + slot * 4 + tl.arange(0, 4)
-                tl.store(target, tl.load(target) + step)
-                tl.atomic_add(totals_ptr + tl.arange(0, 4), step)
+            slot = tl.load(slot_of_row_ptr + row).to(tl.int64)
+            _record_row(row, slot, removed, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr,
+                        per_slot_ptr, totals_ptr)
+
+
+def select_and_compact_kernel(
+    score_ptr, selected_ptr, table_ptr, out_ptr, removed_ptr,
+    slot_of_row_ptr, due_of_row_ptr, seq_lens_ptr, start_ptr, window_start_ptr, last_ptr,
+    kept_lens_ptr, per_slot_ptr, totals_ptr,
+    score_stride, selected_stride, table_stride, out_stride,
+    num_chunks, num_blocks, keep_width, top_k, sink_blocks, blocks_per_chunk, recent_tokens,
+    block_size, num_reqs,
+    BY_POSITION: tl.constexpr, ZERO_SCORES: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """A decode step's selection, rewrite and record in one program per
+    batch row: a row due (``due_of_row``) selects into its slot's mask
+    (:func:`_select_row` over the first ``keep_width`` blocks, its recent
+    window ``recent_tokens`` before its query as the draft's first pass runs
+    it: ``window_start_ptr``'s query starts; ``ZERO_SCORES`` then zeroes the
+    slot's scores),
+    then every row's table is rewritten from its slot's mask and the step
+    recorded (:func:`compact_block_table_kernel` with ``FROM_SLOTS`` and
+    ``RECORD``). A slot is one row's, so no program reads another's mask."""
+    row = tl.program_id(0).to(tl.int64)
+    in_batch = row < num_reqs
+    slot = tl.load(slot_of_row_ptr + row, mask=in_batch, other=-1).to(tl.int64)
+    due = tl.load(due_of_row_ptr + row, mask=in_batch, other=0)
+    keep_row = selected_ptr + tl.maximum(slot, 0) * selected_stride
+    if due != 0:
+        score_row = score_ptr + slot * score_stride
+        recent = _recent_start_block(row, seq_lens_ptr, window_start_ptr, recent_tokens,
+                                     block_size)
+        _select_row(score_row, keep_row, recent, num_chunks, keep_width, top_k, sink_blocks,
+                    blocks_per_chunk, BY_POSITION, BLOCK_C, BLOCK_B)
+        tl.debug_barrier()  # the mask and the scores are read by other threads
+        if ZERO_SCORES:
+            c = tl.arange(0, BLOCK_C)
+            for start in range(0, num_chunks, BLOCK_C):
+                tl.store(score_row + start + c, tl.zeros((BLOCK_C,), tl.float32),
+                         mask=start + c < num_chunks)
+    keep_limit = tl.where(slot >= 0, keep_width, 0)
+    num_kept = _compact_row(table_ptr + row * table_stride, keep_row, out_ptr + row * out_stride,
+                            keep_limit, num_blocks, BLOCK_B)
+    removed = (num_blocks - num_kept) * block_size
+    tl.store(removed_ptr + row, removed)
+    if in_batch:
+        _record_row(row, slot, removed, seq_lens_ptr, start_ptr, last_ptr, kept_lens_ptr,
+                    per_slot_ptr, totals_ptr)

@@ -120,7 +120,7 @@ class CompactLayout:
         each row's last token, and the recent blocks that fit the window."""
         rows_t = self._index_stager(rows)
         if top_k_chunks > 0:
-            scores = self._chunk_scores(rows_t, batch, int(seq_lens[rows].max()),
+            scores = self._chunk_scores(rows_t, batch, seq_lens[rows],
                                         num_query_rows=1)
         else:
             scores = torch.empty(len(rows), 0, device=self.device)

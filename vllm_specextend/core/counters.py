@@ -135,7 +135,7 @@ class RetrievalStats:
         ``slots``, from the step's tensors (indexed by batch row): a row
         verified drafts when its query held more than one token, and gained
         its last accepted token's offset + 1. (On CUDA the planner's rewrite
-        kernel records the same: ``selection_triton.rewrite_decode_rows``.)"""
+        kernel records the same: ``selection_triton.select_and_rewrite_decode_rows``.)"""
         first = query_start_loc[rows]
         verified = query_start_loc[rows + 1] - first > 1
         gained = last_token_indices[rows] - first + 1
@@ -145,7 +145,7 @@ class RetrievalStats:
     @property
     def device_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(per_slot, totals)``, for kernels that record steps themselves
-        (``selection_triton.rewrite_decode_rows``)."""
+        (``selection_triton.select_and_rewrite_decode_rows``)."""
         return self._per_slot, self._totals
 
     def finish_request(self, slot: int) -> None:

@@ -18,9 +18,10 @@ chunk scores per request slot in ``core/chunk_scoring.py``
 (:class:`ChunkScoring`), the windowed prefill layouts and private-layout
 swaps in ``core/compact_layout.py`` (:class:`CompactLayout`); the three
 classes are bases of :class:`RetrievalPlanner`. On CUDA (``use_kernels``)
-a step's device work is about ten launches of Triton kernels
-(``core/*_triton.py``) and torch; elsewhere torch ops, the reference the
-kernels are tested against. This module re-exports the data types.
+a decode step's device work is two index copies and three Triton launches
+(``core/*_triton.py``: scoring over a work list built from the rows'
+lengths, chunk scores into the request slots, then selection, rewrite and
+record); elsewhere torch ops, the reference the kernels are tested against. This module re-exports the data types.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from vllm_specextend.core.refresh import REFRESH_CAUSES
 from vllm_specextend.core.request_rows import RequestRows, StagedRows, StepRows, decode_rows
 from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.core.scoring import ScoringWorkspace
+from vllm_specextend.core.scoring_work import WorkLists
 from vllm_specextend.core.selection import rewrite_block_table, select_blocks
 from vllm_specextend.core.selection_triton import (
-    rewrite_decode_rows,
     rewrite_rows_and_record,
-    select_blocks_into_slots,
+    select_and_rewrite_decode_rows,
 )
 from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.core.target_tap import TargetAttentionTap
@@ -107,6 +108,8 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self._score_sums: torch.Tensor | None = None
         self.scoring_workspace: ScoringWorkspace | None = None
         self._index_stager = IndexStager(max_num_reqs, device, depth=max(2, steps_in_flight))
+        self._work_lists = WorkLists(max_num_reqs, device, depth=max(2, steps_in_flight))
+        """The scoring kernels' work lists (``core/scoring_work.py``)."""
         self.private_layouts: PrivateLayouts | None = None
         self._free_areas: list[int] = []
         self._private_blocks = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
@@ -114,6 +117,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self.layouts_in_place = 0
         """Requests laid out in place for want of a free private area."""
         self._slot_of_row = np.full(max_num_reqs, -1, dtype=np.int64)
+        self._due_of_row = np.zeros(max_num_reqs, dtype=np.int64)
         self.use_kernels = device.type == "cuda"
         """Plan on the Triton kernels (selection, rewrite, record:
         ``core/selection_triton.py``), as on CUDA; scoring follows its
@@ -159,8 +163,9 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         if self.use_kernels:
             from vllm_specextend.core.selection_triton import warm_up
 
-            assert self._selected_blocks is not None
-            warm_up(self._selected_blocks, *self.stats.device_counters)
+            assert self._selected_blocks is not None and self._score_sums is not None
+            warm_up(self._selected_blocks, self._score_sums, *self.stats.device_counters,
+                    **self._selection_variant)
 
     def _allocate_selection_state(self) -> None:
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -253,18 +258,18 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self, batch: PlanningBatch, step: StepRows, staged: StagedRows
     ) -> DraftView:
         """:meth:`plan` after scoring for a step without windowed prompt
-        chunks, on CUDA: the selection written into the due slots in one
-        launch, and the rewrite, kept lengths and record in one more; the
-        torch path (the rest of ``plan``) is the reference."""
-        assert self._selected_blocks is not None
-        rewrites: list[WorkingCacheRewrite] = []
-        if step.due_rows.size:
-            rewrites += self._retrieve(batch, step, staged, None)
-        compact, removed, kept_context_lens = rewrite_decode_rows(
-            batch.block_table[: batch.seq_lens.shape[0]], self._selected_blocks,
-            staged.slot_of_row, self._num_blocks(batch), batch.seq_lens,
+        chunks, on CUDA: the selections of the rows due, the rewrite of every
+        row, the kept lengths and the record in one launch; the torch path
+        (the rest of ``plan``) is the reference."""
+        assert self._selected_blocks is not None and self._score_sums is not None
+        rewrites = self._retrieved(staged) if step.due_rows.size else []
+        compact, removed, kept_context_lens = select_and_rewrite_decode_rows(
+            self._score_sums, self._selected_blocks, batch.block_table[: batch.seq_lens.shape[0]],
+            staged.slot_of_row, staged.due_of_row, self._num_blocks(batch), batch.seq_lens,
             batch.query_start_loc, batch.last_token_indices, self.block_size,
-            *self.stats.device_counters)
+            self.config.recent_tokens, *self._selection_options,
+            *self.stats.device_counters, **self._selection_variant,
+            window_query_start_loc=batch.draft_query_start_loc)
         self.stats.compacted_request_steps += int(step.retrieval_rows.size)
         kept_block_table = None
         if step.private_rows.size:
@@ -276,67 +281,81 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
 
     def _stage(self, batch: PlanningBatch, step: StepRows) -> StagedRows:
         lists = [step.retrieval_rows, step.retrieval_slots, step.due_rows, step.due_slots]
+        self._work_lists.next_step()
         if self.use_kernels:  # only the kernels read rows by slot
             slot_of_row = self._slot_of_row[: batch.num_reqs]
             slot_of_row.fill(-1)
             slot_of_row[step.retrieval_rows] = step.retrieval_slots
-            lists.append(slot_of_row)
+            due_of_row = self._due_of_row[: batch.num_reqs]
+            due_of_row.fill(0)
+            due_of_row[step.due_rows] = 1
+            lists += [slot_of_row, due_of_row]
         staged = self._index_stager.next_step().stage(*lists)
-        return StagedRows(*staged[:4], slot_of_row=staged[4] if self.use_kernels else None)
+        if not self.use_kernels:
+            return StagedRows(*staged)
+        return StagedRows(*staged[:4], slot_of_row=staged[4], due_of_row=staged[5])
 
     def _num_blocks(self, batch: PlanningBatch) -> int:
         assert self._selected_blocks is not None
         return min(batch.block_table.shape[1], self._selected_blocks.shape[1])
+
+    @property
+    def _selection_variant(self) -> dict[str, bool]:
+        """The selection launch's compiled variant: streaming ranks chunks by
+        position; accepted-token scores restart at each retrieval."""
+        return {"by_position": self.config.mode != "cmr",
+                "zero_scores": self.config.score_aggregation == "accepted_tokens"}
+
+    @property
+    def _selection_options(self) -> tuple[int, int, int]:
+        """Top-k chunks, sink blocks, blocks per chunk."""
+        return (self.config.resolved_top_k_chunks(self.chunk_size), self._sink_blocks,
+                self.chunk_size // self.block_size)
 
     def _retrieve(
         self,
         batch: PlanningBatch,
         step: StepRows,
         staged: StagedRows,
-        first_query_pos: torch.Tensor | None,
+        first_query_pos: torch.Tensor,
     ) -> list[WorkingCacheRewrite]:
         """New selections for the rows due: sink + top-k chunks + recent
         (``first_query_pos``: the rows' first-pass query starts, catch-up
-        included; None on the kernels)."""
+        included)."""
         config = self.config
         assert self._selected_blocks is not None and self._score_sums is not None
         due, due_slots = staged.due, staged.due_slots
         num_blocks = self._num_blocks(batch)
-        selection = dict(top_k_chunks=config.resolved_top_k_chunks(self.chunk_size),
-                         sink_blocks=self._sink_blocks,
-                         blocks_per_chunk=self.chunk_size // self.block_size,
-                         num_blocks=num_blocks)
-        if first_query_pos is None:  # on the kernels: slots and windows read there
-            query_start_loc = (batch.query_start_loc if batch.draft_query_start_loc is None
-                               else batch.draft_query_start_loc)
-            select_blocks_into_slots(self._score_sums, due, due_slots, batch.seq_lens,
-                                     query_start_loc, self._selected_blocks,
-                                     config.recent_tokens, self.block_size,
-                                     by_position=config.mode != "cmr", **selection)
+        if config.mode == "cmr":
+            scores = self._score_sums[due_slots]
         else:
-            if config.mode == "cmr":
-                scores = self._score_sums[due_slots]
-            else:
-                # Streaming: the most recent chunks win the top-k.
-                num_chunks = self._score_sums.shape[1]
-                scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
-                scores = scores.expand(len(step.due_rows), num_chunks)
-            recent_start_block = (
-                (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
-            )
-            self._selected_blocks[due_slots, :num_blocks] = select_blocks(
-                scores, recent_start_block, use_kernel=self.use_kernels, **selection)
+            # Streaming: the most recent chunks win the top-k.
+            num_chunks = self._score_sums.shape[1]
+            scores = torch.arange(num_chunks, device=self.device, dtype=torch.float32)
+            scores = scores.expand(len(step.due_rows), num_chunks)
+        recent_start_block = (
+            (first_query_pos[due] - config.recent_tokens).clamp(min=0) // self.block_size
+        )
+        top_k_chunks, sink_blocks, blocks_per_chunk = self._selection_options
+        self._selected_blocks[due_slots, :num_blocks] = select_blocks(
+            scores, recent_start_block, top_k_chunks=top_k_chunks, sink_blocks=sink_blocks,
+            blocks_per_chunk=blocks_per_chunk, num_blocks=num_blocks,
+            use_kernel=self.use_kernels)
         if config.score_aggregation == "accepted_tokens":
             # A fill through device indices (a Python scalar through an
             # index would be copied to the device, blocking).
             self._score_sums.index_fill_(0, due_slots, 0.0)
+        return self._retrieved(staged)
+
+    def _retrieved(self, staged: StagedRows) -> list[WorkingCacheRewrite]:
+        """Compact positions: the rows due re-position their kept context,
+        at most the working cache before the query."""
         if not self.compact_positions:
             return []
-        # Kept context before the query: at most the working cache.
-        working_cache = config.working_cache_tokens(
+        working_cache = self.config.working_cache_tokens(
             self.block_size, self.max_num_speculative_tokens
         )
-        return [WorkingCacheRewrite(due, working_cache)]
+        return [WorkingCacheRewrite(staged.due, working_cache)]
 
     def _record(self, batch: PlanningBatch, staged: StagedRows, removed: torch.Tensor) -> None:
         self.stats.record_rows(

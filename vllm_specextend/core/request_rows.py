@@ -111,6 +111,9 @@ class StagedRows:
     slot_of_row: torch.Tensor | None = None
     """``[num_reqs]``: each row's request slot if it retrieves, else -1
     (staged for the planner's kernels only)."""
+    due_of_row: torch.Tensor | None = None
+    """``[num_reqs]``: 1 where the row's selection is recomputed this step
+    (kernels only)."""
 
 
 class RequestRows:

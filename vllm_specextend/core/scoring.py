@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_specextend.core.scoring_work import max_work_items
+
 SCORING_TILE_TOKENS = 32768
 """Context positions x batch rows scored per tile (the workspace's size)."""
 KERNEL_PARTIALS_BYTES = 64 << 20
@@ -53,8 +55,9 @@ class ScoringWorkspace:
     granule_logsumexp: torch.Tensor | None = None
     """Float32, the kernel's per-granule log-sum-exps:
     ``[rows, query rows, heads, granules]`` of a row group."""
-    row_logsumexp: torch.Tensor | None = None
-    """Float32, the kernel's softmax normalisers: ``[rows, query rows x heads]``."""
+    split_logsumexp: torch.Tensor | None = None
+    """Float32, the kernel's sums per work item: ``[items, query rows x heads]``
+    (``core/scoring_work.py`` bounds the items)."""
     layer: tuple[int, int, int, int] | None = None
     """The kernel's (num_heads, num_kv_heads, head_dim, max_query_rows)."""
 
@@ -110,8 +113,8 @@ class ScoringWorkspace:
             slots=torch.empty(0, dtype=torch.int64, device=device),
             use_kernel=True,
             granule_logsumexp=torch.empty(budget, dtype=torch.float32, device=device),
-            row_logsumexp=torch.empty(max_num_reqs * row_floats, dtype=torch.float32,
-                                      device=device),
+            split_logsumexp=torch.empty(max_work_items(max_num_reqs, num_kv_heads) * row_floats,
+                                        dtype=torch.float32, device=device),
             layer=(num_heads, num_kv_heads, head_dim, max_query_rows),
         )
 
@@ -125,15 +128,14 @@ class ScoringWorkspace:
         from vllm_specextend.core.scoring_triton import warm_up
 
         assert self.layer is not None and self.granule_logsumexp is not None
-        num_heads, num_kv_heads, head_dim, max_query_rows = self.layer
+        max_query_rows = self.layer[3]
         for rows in sorted({1, max_query_rows}):
-            warm_up(self, num_heads, num_kv_heads, head_dim, rows, self.keys.dtype,
-                    block_size, chunk_size)
+            warm_up(self, rows, block_size, chunk_size)
 
     @property
     def nbytes(self) -> int:
         buffers = (self.keys, self.queries, self.logits_model_dtype, self.logits,
-                   self.block_ids, self.slots, self.granule_logsumexp, self.row_logsumexp)
+                   self.block_ids, self.slots, self.granule_logsumexp, self.split_logsumexp)
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
     def view(self, buffer: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -173,7 +175,7 @@ def chunk_attention_sums(
 
         return chunk_attention_sums_triton(
             queries, query_positions, key_buffer, block_table, max_context_len, scale,
-            block_size, chunk_size, workspace.granule_logsumexp, workspace.row_logsumexp,
+            block_size, chunk_size, workspace.granule_logsumexp, workspace.split_logsumexp,
         )
     batch = queries.shape[0]
     num_chunks = -(-max_context_len // chunk_size)

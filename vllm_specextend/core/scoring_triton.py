@@ -1,7 +1,8 @@
-"""Chunk scores in one read of the keys: a Triton kernel for
-:func:`vllm_specextend.core.scoring.chunk_attention_sums` on CUDA.
+"""Chunk scores in one read of the keys: Triton kernels for
+:func:`vllm_specextend.core.scoring.chunk_attention_sums` on CUDA, and the
+planner's scoring step in two launches (:func:`score_rows_triton`).
 
-What it computes is the torch path's (``core/scoring.py``, the reference on
+What they compute is the torch path's (``core/scoring.py``, the reference on
 CPU): the softmax attention each chunk of the context receives from a row's
 query rows, summed over the chunk's tokens, the heads and the query rows, in
 float32, with GQA, the causal limit of each query row, padding rows (negative
@@ -17,21 +18,27 @@ kernel takes the buffer's slot and head strides, so a backend whose keys
 form ``[num_blocks * block_size, kv_heads, head_dim]`` could be passed
 in place of the tap's buffer later without changing it.
 
-Three launches, none of which re-reads a key:
+Two launches, neither of which re-reads a key:
 
-1. ``_granule_logsumexp_kernel``, grid (row, split of the context, KV head).
-   The query heads of one KV head x the query rows are stacked into one tile
-   of >= 16 rows (padded), so the logits of a tile of keys are one
-   tensor-core ``tl.dot``. For each "granule" (a chunk, or an equal part of
-   a long chunk) it stores the log-sum-exp (base 2) of its visible logits per
-   query row and head: no per-split maximum is needed, because a granule's
+1. ``granule_logsumexp_kernel``, grid (work item, KV head). An item is a
+   run of tiles of one row: the planner's items come from a work list built
+   on the host from the rows' lengths (``core/scoring_work.py``), so a long
+   row in a batch of short ones is read by as many programs as its length
+   asks for; :func:`chunk_attention_sums_triton`'s rows all have the
+   longest row's items. The query heads of one KV head x the query rows are
+   stacked into one tile of >= 16 rows (padded), so the logits of a tile of
+   keys are one tensor-core ``tl.dot``; the planner's query rows are read
+   straight from the tap by each row's last token (no gather launch). For
+   each "granule" (a chunk, or an equal part of a long chunk) it stores the
+   log-sum-exp (base 2) of its visible logits per query row and head, and
+   per item their log-sum-exp: no per-split maximum is needed, because a
    log-sum-exp already carries its own scale. Keys past the row's last
    visible position are not loaded.
-2. ``_row_logsumexp_kernel``, grid (row, block of query rows x heads): each
-   softmax's normaliser, the log-sum-exp over the granules (+inf for a
-   padding row, so that its weights come out 0).
-3. ``_chunk_sum_kernel``, grid (row, block of chunks): each chunk's score,
-   ``sum over query rows, heads and its granules of 2^(granule - row)``.
+2. ``chunk_scores_kernel``, grid (row, block of chunks): each softmax's
+   normaliser from the row's item sums (+inf for a padding row, so that
+   its weights come out 0), then each chunk's score, ``sum over query rows,
+   heads and its granules of 2^(granule - normaliser)``, written as sums,
+   or for the planner as means per context token into the request slots.
 
 The granule log-sum-exps (4 bytes per query row x head x granule, ~1% of
 the keys' bytes at chunk 32) live in the :class:`ScoringWorkspace`, sized
@@ -45,24 +52,28 @@ import functools
 import math
 import os
 
+import numpy as np
 import torch
+
+from vllm_specextend.core.scoring_work import (
+    MIN_SPLIT_TILES,
+    TARGET_PROGRAMS,
+    StagedWork,
+    WorkLists,
+)
 
 TILE_POSITIONS = 64
 """Key positions per ``tl.dot`` (a tile of 64 x 128 bf16 keys is 16 KiB)."""
 MAX_GRANULE = 128
 """Longest granule; a longer chunk is scored as equal granules of at most this."""
-TARGET_PROGRAMS = 2048
-"""Programs the first launch aims for (splits are shortened until it has them)."""
-MIN_SPLIT_TILES = 4
-"""Tiles per split at least (fewer would spend more time on Q loads than keys)."""
-# Tiles of the two small launches: 16 x 128 and 64 x 64 floats (128 threads;
-# compiled for sm_90 neither spills, see tests/core/test_scoring_triton.py).
-ROWS_BLOCK_RH, ROWS_BLOCK_G = 16, 128
-CHUNKS_BLOCK_RH, CHUNKS_BLOCK_C = 64, 64
-GATHER_BLOCK = 1024
-"""Query elements / block-table entries the gather copies per loop step."""
+# Tile of the chunk-score launch: 32 x 128 floats (128 threads; compiled for
+# sm_90 it does not spill, see tests/core/test_scoring_triton.py), and the
+# items' sums read per step of the normaliser.
+CHUNKS_BLOCK_RH, CHUNKS_BLOCK_C, SPLITS_BLOCK = 32, 128, 16
 MEANS_BLOCK_C = 256
 """Chunks per program of the chunk-means store."""
+SUMS, MEANS, ADD_MEANS = 0, 1, 2
+"""What the chunk-score launch writes."""
 
 
 def granule_size(chunk_size: int) -> int:
@@ -80,6 +91,36 @@ def _next_power_of_2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
+class _Shape:
+    """Sizes both launches share, for one layer, chunk size and query rows
+    (made once for each: :func:`_shape`)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, rows: int,
+                 chunk_size: int, key_dtype: torch.dtype, device_type: str) -> None:
+        self.group = num_heads // num_kv_heads
+        self.granule = granule_size(chunk_size)
+        self.granule_pad = _next_power_of_2(self.granule)
+        self.granules_per_tile = max(1, TILE_POSITIONS // self.granule_pad)
+        self.heads_rows = rows * num_heads
+        interpreted = device_type != "cuda"
+        dot_in_fp32 = interpreted and key_dtype == torch.bfloat16
+        block_m = max(16, _next_power_of_2(rows * self.group))
+        self.constants = dict(
+            GROUP=self.group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_power_of_2(head_dim)),
+            BLOCK_M=block_m, GRANULE=self.granule, GRANULE_PAD=self.granule_pad,
+            GRANULES_PER_TILE=self.granules_per_tile,
+            PRECISION="ieee" if key_dtype == torch.float32 or dot_in_fp32 else "tf32",
+            DOT_IN_FP32=dot_in_fp32,
+            num_warps=8 if block_m >= 128 else 4,  # 128 stacked rows: logits of 64 floats a thread
+        )
+        self.chunk_constants = dict(
+            GRANULES_PER_CHUNK=chunk_size // self.granule, BLOCK_RH=CHUNKS_BLOCK_RH,
+            BLOCK_C=CHUNKS_BLOCK_C, BLOCK_S=SPLITS_BLOCK, num_warps=4)
+
+
+_shape = functools.cache(_Shape)
+
+
 def chunk_attention_sums_triton(
     queries: torch.Tensor,
     query_positions: torch.Tensor,
@@ -90,110 +131,133 @@ def chunk_attention_sums_triton(
     block_size: int,
     chunk_size: int,
     granule_logsumexp: torch.Tensor,
-    row_logsumexp: torch.Tensor,
+    split_logsumexp: torch.Tensor,
 ) -> torch.Tensor:
-    """``chunk_attention_sums`` on the kernel (arguments as there; the last
-    two are the workspace's flat float32 buffers). CPU tensors run under
-    Triton's interpreter (tests). Launches only: no host sync. (Long as the
-    three launches' shared sizes and grids, which one place keeps in step.)"""
+    """``chunk_attention_sums`` on the kernels (arguments as there; the last
+    two are the workspace's flat float32 buffers), every row scored up to
+    ``max_context_len``. CPU tensors run under Triton's interpreter (tests).
+    Launches only: no host sync."""
     batch, rows, num_heads, head_dim = queries.shape
     num_kv_heads = key_buffer.shape[1]
-    group = num_heads // num_kv_heads
     num_chunks = -(-max_context_len // chunk_size)
     sums = torch.empty(batch, num_chunks, dtype=torch.float32, device=queries.device)
     if batch == 0 or num_chunks == 0:
         return sums.zero_()
-    granule = granule_size(chunk_size)
-    granules = -(-max_context_len // granule)
-    per_row = rows * num_heads * granules
-    rows_per_launch = min(batch, granule_logsumexp.numel() // per_row,
-                          row_logsumexp.numel() // (rows * num_heads))
+    _check_device(queries)
+    shape = _shape(num_heads, head_dim, num_kv_heads, rows, chunk_size, key_buffer.dtype,
+                   queries.device.type)
+    granules = -(-max_context_len // shape.granule)
+    per_row = shape.heads_rows * granules
+    rows_per_launch = min(batch, granule_logsumexp.numel() // per_row)
     if rows_per_launch < 1:
         raise ValueError(
             f"scoring workspace holds {granule_logsumexp.numel()} granule sums, one row of "
             f"{max_context_len} tokens needs {per_row}: allocate ScoringWorkspace with "
             f"max_context_len >= {max_context_len}"
         )
-    _check_device(queries)
     kernels = _kernels()
-    granule_pad = _next_power_of_2(granule)
-    granules_per_tile = max(1, TILE_POSITIONS // granule_pad)
-    tiles = -(-granules // granules_per_tile)
-    block_m = max(16, _next_power_of_2(rows * group))
-    block_d = max(16, _next_power_of_2(head_dim))
-    interpreted = queries.device.type != "cuda"
-    dot_in_fp32 = interpreted and key_buffer.dtype == torch.bfloat16
-    precision = "ieee" if key_buffer.dtype == torch.float32 or dot_in_fp32 else "tf32"
+    tiles = -(-granules // shape.granules_per_tile)
     for first in range(0, batch, rows_per_launch):
         count = min(rows_per_launch, batch - first)
-        tiles_per_split = _tiles_per_split(tiles, count * num_kv_heads)
+        tiles_per_split = _tiles_per_split(count * tiles, num_kv_heads)
         splits = -(-tiles // tiles_per_split)
-        lse = granule_logsumexp[: count * per_row].view(count, rows, num_heads, granules)
-        row_lse = row_logsumexp[: count * rows * num_heads].view(count, rows * num_heads)
+        if count * splits * shape.heads_rows > split_logsumexp.numel():
+            raise ValueError(f"scoring workspace holds {split_logsumexp.numel()} split sums, "
+                             f"{count} rows of {rows} query rows need more: allocate it for "
+                             f"{batch} requests")
         q = queries[first : first + count]
         qpos = query_positions[first : first + count]
         table = block_table[first : first + count]
-        kernels.granules[(count, splits, num_kv_heads)](
-            q, qpos, key_buffer, table, lse,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-            qpos.stride(0), qpos.stride(1),
-            key_buffer.stride(0), key_buffer.stride(1), key_buffer.stride(2),
-            table.stride(0),
-            rows, num_heads, max_context_len, key_buffer.shape[0], granules, tiles_per_split,
-            scale * math.log2(math.e),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-            BLOCK_SIZE=block_size, GRANULE=granule, GRANULE_PAD=granule_pad,
-            GRANULES_PER_TILE=granules_per_tile, PRECISION=precision, DOT_IN_FP32=dot_in_fp32,
-            num_warps=8 if block_m >= 128 else 4,  # 128 stacked rows: logits of 64 floats a thread
-
-        )
-        heads_rows = rows * num_heads
-        kernels.rows[(count, -(-heads_rows // ROWS_BLOCK_RH))](
-            lse, row_lse, heads_rows, granules, BLOCK_RH=ROWS_BLOCK_RH, BLOCK_G=ROWS_BLOCK_G,
-            num_warps=4,
+        kernels.granules[(count * splits, num_kv_heads)](
+            q, qpos, qpos, qpos, qpos, key_buffer, table, qpos, granule_logsumexp,
+            split_logsumexp, *q.stride(), *qpos.stride(), *key_buffer.stride(), table.stride(0),
+            rows, num_heads, key_buffer.shape[0], 0, 0, tiles_per_split, splits, granules,
+            max_context_len, scale * math.log2(math.e),
+            BLOCK_SIZE=block_size, WORK_LIST=False, **shape.constants,
         )
         out = sums[first : first + count]
         kernels.chunks[(count, -(-num_chunks // CHUNKS_BLOCK_C))](
-            lse, row_lse, out, heads_rows, granules, num_chunks, out.stride(0),
-            GRANULES_PER_CHUNK=chunk_size // granule, BLOCK_RH=CHUNKS_BLOCK_RH,
-            BLOCK_C=CHUNKS_BLOCK_C, num_warps=4,
+            granule_logsumexp, split_logsumexp, qpos, qpos, qpos, qpos, out,
+            shape.heads_rows, 0, out.stride(0), num_chunks, chunk_size, splits, granules,
+            WORK_LIST=False, OUTPUT=SUMS, **shape.chunk_constants,
         )
     return sums
 
 
-def gather_query_rows(
+def stage_work(work_lists: WorkLists, seq_lens: np.ndarray, num_query_rows: int,
+               chunk_size: int, workspace) -> StagedWork:
+    """The work list of rows of ``seq_lens`` tokens (host int64), staged,
+    for :func:`score_rows_triton` on ``workspace`` (a kernel
+    ``ScoringWorkspace``)."""
+    num_heads, num_kv_heads, head_dim, _ = workspace.layer
+    shape = _shape(num_heads, head_dim, num_kv_heads, num_query_rows, chunk_size,
+                   workspace.keys.dtype, workspace.granule_logsumexp.device.type)
+    return work_lists.stage(seq_lens, chunk_size, shape.granule, shape.granules_per_tile,
+                            num_kv_heads, workspace.granule_logsumexp.numel() // shape.heads_rows)
+
+
+def score_rows_triton(
+    work: StagedWork,
     rows: torch.Tensor,
+    queries: torch.Tensor,
+    positions: torch.Tensor,
     last_token_indices: torch.Tensor,
     query_start_loc: torch.Tensor,
-    positions: torch.Tensor,
-    queries: torch.Tensor,
+    seq_lens: torch.Tensor,
     block_table: torch.Tensor,
+    key_buffer: torch.Tensor,
     num_query_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scoring inputs of batch ``rows`` in one launch: the queries
-    ``[rows, num_query_rows, heads, head_dim]`` of each row's last
-    ``num_query_rows`` tokens (the last first), their positions (-1 before
-    the row's first query token: padding) and the rows' block tables.
-    ``queries`` is the tap's ``[tokens, heads, head_dim]`` buffer."""
-    num = rows.shape[0]
-    _, num_heads, head_dim = queries.shape
-    device = queries.device
-    query_rows = torch.empty(num, num_query_rows, num_heads, head_dim, dtype=queries.dtype,
-                             device=device)
-    query_positions = torch.empty(num, num_query_rows, dtype=positions.dtype, device=device)
-    tables = torch.empty(num, block_table.shape[1], dtype=block_table.dtype, device=device)
-    if num:
-        _check_device(queries)
-        head_elems = num_heads * head_dim
-        _kernels().gather[(num,)](
-            rows, last_token_indices, query_start_loc, positions, queries, block_table,
-            query_rows, query_positions, tables,
-            queries.stride(0), block_table.stride(0), tables.stride(0), block_table.shape[1],
-            QUERY_ROWS=num_query_rows, HEAD_ELEMS=head_elems,
-            BLOCK_E=min(GATHER_BLOCK, _next_power_of_2(head_elems)), BLOCK_B=GATHER_BLOCK,
-            num_warps=4,
+    scale: float,
+    block_size: int,
+    chunk_size: int,
+    workspace,
+    out: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Chunk scores of batch ``rows`` (the rows ``work`` was staged for, by
+    :func:`stage_work`) from each row's last ``num_query_rows`` tokens: the
+    tap's ``queries`` (``[tokens, heads, head_dim]``) at ``positions``, the
+    batch's last token indices, query starts, sequence lengths and block
+    table. With ``out`` and ``slots``: each chunk's mean per context token
+    written over (``accumulate``: added to) ``out[slots[i]]``, the rest of
+    the row zeroed; else returns the sums ``[rows, chunks of the longest]``.
+    Two launches a row group (one group unless the batch outgrows the
+    workspace); no host sync."""
+    num_heads, head_dim = queries.shape[1:]
+    num_kv_heads = key_buffer.shape[1]
+    if out is None:
+        out = torch.empty(work.num_rows, work.max_chunks, dtype=torch.float32,
+                          device=queries.device)
+        output = SUMS
+    else:
+        output = ADD_MEANS if accumulate else MEANS
+    if not work.num_rows:
+        return out
+    _check_device(queries)
+    shape = _shape(num_heads, head_dim, num_kv_heads, num_query_rows, chunk_size,
+                   key_buffer.dtype, queries.device.type)
+    kernels = _kernels()
+    lse, split_lse = workspace.granule_logsumexp, workspace.split_logsumexp
+    slots = rows if slots is None else slots
+    chunk_blocks = -(-out.shape[1] // CHUNKS_BLOCK_C)
+    for first_row, end_row, first_item, end_item in work.groups:
+        if end_item > first_item:
+            kernels.granules[(end_item - first_item, num_kv_heads)](
+                queries, positions, last_token_indices, query_start_loc, rows, key_buffer,
+                block_table, work.work, lse, split_lse,
+                0, *queries.stride(), 0, positions.stride(0), *key_buffer.stride(),
+                block_table.stride(0),
+                num_query_rows, num_heads, key_buffer.shape[0], first_item, work.items_start,
+                work.tiles_per_split, 1, 1, 1, scale * math.log2(math.e),
+                BLOCK_SIZE=block_size, WORK_LIST=True, **shape.constants,
+            )
+        kernels.chunks[(end_row - first_row, chunk_blocks)](
+            lse, split_lse, work.work, rows, seq_lens, slots, out,
+            shape.heads_rows, first_row, out.stride(0), out.shape[1], chunk_size, 1, 1,
+            WORK_LIST=True, OUTPUT=output, **shape.chunk_constants,
         )
-    return query_rows, query_positions, tables
+    return out
 
 
 def store_chunk_means(
@@ -219,36 +283,37 @@ def store_chunk_means(
     )
 
 
-def warm_up(workspace, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
-            dtype: torch.dtype, block_size: int, chunk_size: int) -> None:
-    """One call of each kernel on a one-block context with the argument
-    types the planner passes (int64 rows and positions, int32 query starts,
-    sequence lengths and block table), so that its first planning call finds
-    the kernels compiled."""
+def warm_up(workspace, rows: int, block_size: int, chunk_size: int,
+            outputs: tuple[int, ...] = (SUMS, MEANS, ADD_MEANS)) -> None:
+    """One planner's scoring call of each kind on a one-token context, with
+    the argument types the planner passes (int64 rows, slots and positions,
+    int32 last token indices, query starts, sequence lengths and block
+    table), so that its first planning call finds the kernels compiled."""
+    num_heads, num_kv_heads, head_dim, _ = workspace.layer
     device = workspace.granule_logsumexp.device
+    dtype = workspace.keys.dtype
+    work = stage_work(WorkLists(1, device, depth=2), np.ones(1, dtype=np.int64), rows,
+                      chunk_size, workspace)
     rows_t = torch.zeros(1, dtype=torch.int64, device=device)
     index = torch.zeros(2, dtype=torch.int32, device=device)
-    gather_query_rows(rows_t, index[:1], index, rows_t,
-                      torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device),
-                      index.view(1, 2), rows)
-    for accumulate in (False, True):
-        store_chunk_means(torch.zeros(1, 1, device=device), rows_t, index, rows_t,
-                          torch.zeros(1, 1, device=device), chunk_size, accumulate)
-    chunk_attention_sums_triton(
-        torch.zeros(1, rows, num_heads, head_dim, dtype=dtype, device=device),
-        torch.zeros(1, rows, dtype=torch.int64, device=device),
-        torch.zeros(block_size + 1, num_kv_heads, head_dim, dtype=dtype, device=device),
-        torch.zeros(1, 1, dtype=torch.int32, device=device),
-        1, head_dim ** -0.5, block_size, chunk_size,
-        workspace.granule_logsumexp, workspace.row_logsumexp,
-    )
+    call = (work, rows_t, torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device),
+            rows_t, index[:1], index, index, index.view(1, 2),
+            torch.zeros(block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+            rows, head_dim ** -0.5, block_size, chunk_size, workspace)
+    for output in outputs:
+        out = None if output == SUMS else torch.zeros(1, 1, device=device)
+        score_rows_triton(*call, out=out, slots=rows_t, accumulate=output == ADD_MEANS)
+    if SUMS in outputs:  # tensor-parallel ranks store the means after their sum
+        for accumulate in (False, True):
+            store_chunk_means(torch.zeros(1, 1, device=device), rows_t, index, rows_t,
+                              torch.zeros(1, 1, device=device), chunk_size, accumulate)
 
 
-def _tiles_per_split(tiles: int, programs_per_split: int) -> int:
-    """Tiles per split: as long as the launch still has TARGET_PROGRAMS."""
-    splits_wanted = max(1, TARGET_PROGRAMS // max(1, programs_per_split))
-    per_split = max(MIN_SPLIT_TILES, -(-tiles // splits_wanted))
-    return min(tiles, _next_power_of_2(per_split))
+def _tiles_per_split(tiles: int, num_kv_heads: int) -> int:
+    """Tiles per item: a power of two, at least MIN_SPLIT_TILES, that gives
+    the launch about TARGET_PROGRAMS programs (as ``scoring_work``'s)."""
+    wanted = -(-tiles * num_kv_heads // TARGET_PROGRAMS)
+    return max(MIN_SPLIT_TILES, _next_power_of_2(wanted))
 
 
 def _check_device(tensor: torch.Tensor) -> None:
@@ -258,9 +323,8 @@ def _check_device(tensor: torch.Tensor) -> None:
 
 
 class _Kernels:
-    def __init__(self, granules, rows, chunks, gather, means) -> None:
-        self.granules, self.rows, self.chunks = granules, rows, chunks
-        self.gather, self.means = gather, means
+    def __init__(self, granules, chunks, means) -> None:
+        self.granules, self.chunks, self.means = granules, chunks, means
 
 
 @functools.cache
@@ -278,14 +342,11 @@ def _kernels() -> _Kernels:
     return _Kernels(
         triton.jit(source.granule_logsumexp_kernel, do_not_specialize=[
             "q_stride_b", "q_stride_r", "q_stride_h", "qpos_stride_b", "qpos_stride_r",
-            "table_stride_b", "num_rows", "max_context_len", "num_slots", "num_granules",
-            "tiles_per_split"]),
-        triton.jit(source.row_logsumexp_kernel,
-                   do_not_specialize=["heads_rows", "num_granules"]),
-        triton.jit(source.chunk_sum_kernel, do_not_specialize=[
-            "heads_rows", "num_granules", "num_chunks", "out_stride_b"]),
-        triton.jit(source.gather_query_rows_kernel, do_not_specialize=[
-            "q_stride_t", "table_stride", "table_out_stride", "num_blocks"]),
+            "table_stride_b", "num_rows", "num_slots", "first_item", "items_start",
+            "tiles_per_split", "uniform_splits", "uniform_granules", "max_context_len"]),
+        triton.jit(source.chunk_scores_kernel, do_not_specialize=[
+            "heads_rows", "first_row", "out_stride", "out_chunks", "chunk_size",
+            "uniform_splits", "uniform_granules"]),
         triton.jit(source.chunk_means_kernel, do_not_specialize=[
             "sums_stride", "out_stride", "num_chunks", "out_chunks", "chunk_size"]),
     )
