@@ -197,8 +197,8 @@ def measure(args) -> dict:
         timers.wrap(planner.stats, name, EXCLUDED_TENSOR_WORK)
     torch_scoring = planner._chunk_scores
 
-    def stub_scoring(rows_t, batch, max_context_len, num_query_rows):
-        return torch.zeros(rows_t.shape[0], -(-max_context_len // planner.chunk_size),
+    def stub_scoring(rows_t, batch, seq_lens, num_query_rows):
+        return torch.zeros(rows_t.shape[0], -(-int(seq_lens.max()) // planner.chunk_size),
                            device=META)
 
     planner._chunk_scores = stub_scoring
@@ -342,7 +342,7 @@ def _count_torch_scoring_ops(planner, torch_scoring, requests, args, max_blocks)
     rows = torch.empty(due, dtype=torch.int64, device=META)
     counter = _OpCounter()
     with counter:
-        torch_scoring(rows, batch, int(requests.context_lens.max()) + args.k + 1, 1)
+        torch_scoring(rows, batch, np.full(due, int(requests.context_lens.max()) + args.k + 1), 1)
     return counter.ops
 
 
