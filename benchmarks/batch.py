@@ -9,7 +9,9 @@ runs, and ``goodput`` (cmr with ``speculation_control: goodput``); and, for
 (``benchmarks.runs.K_BY_BATCH_SIZE``). Each engine prefills every
 passage once (untimed); the measured runs then hit the prefix cache, so they
 are almost all decode. Per run: output tokens/s of the batch over its
-decode-only steps, mean acceptance length, drafted tokens, draft / verify /
+decode-only steps (by the wall clock between decode steps; ``worker_tok_s``
+over the worker's step calls alone), where a step's time goes
+(``step_breakdown.py``), mean acceptance length, drafted tokens, draft / verify /
 retrieval seconds per decode step, kept fraction.
 """
 
@@ -28,6 +30,12 @@ from benchmarks.machine import machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.runs import engine_kwargs, started_engine
+from benchmarks.step_breakdown import (
+    breakdown_per_step,
+    breakdown_table,
+    install_step_breakdown,
+    read_step_breakdown,
+)
 from benchmarks.worker_hooks import (
     control_counts,
     force_pause,
@@ -78,6 +86,12 @@ class BatchMeasurement:
     target alone's in the same round (the run beside it: drift cancels)."""
     round_drafted_steps: list[int] | None = None
     """Interleaved rounds of ``goodput``: request-steps drafted in each round."""
+    worker_tok_s: float | None = None
+    """Output tok/s over the worker's step calls alone (``execute_model`` and
+    ``sample_tokens``): ``output_tok_s`` without the engine core's work and
+    the inter-process round trips between steps."""
+    breakdown: dict | None = None
+    """Milliseconds per decode step of each part (``step_breakdown.py``)."""
     paired_vs_always_paused: float | None = None
     """Interleaved rounds of ``goodput`` beside ``always_paused`` (the same
     engine, no drafts): as ``paired_vs_target``, over that floor instead.
@@ -137,6 +151,7 @@ def engine_runs(args, engine_config: str, configs: list[str],
     measurements and output token ids."""
     with started_engine(**_engine_kwargs(args, engine_config, spec_extend)) as llm:
         llm.collective_rpc(install_timers)
+        llm.collective_rpc(install_step_breakdown)
         measurements, token_ids = [], {}
         for length, passages in prompts.items():
             progress.set_postfix_str(f"{engine_config} engine: prefill {length}")
@@ -180,6 +195,7 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
             llm = stack.enter_context(
                 started_engine(**_engine_kwargs(engine_args, engine_config, spec_extend)))
             llm.collective_rpc(install_timers)
+            llm.collective_rpc(install_step_breakdown)
             llms.append(llm)
         measurements, token_ids = [], {}
         for length, passages in prompts.items():
@@ -274,9 +290,16 @@ def _measured_run(args, llm, engine_config: str, config: str, passages: list[lis
     batch = [TokensPrompt(prompt_token_ids=p) for p in passages]
     control0 = llm.collective_rpc(control_counts)[0]
     c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+    b0 = llm.collective_rpc(read_step_breakdown)[0]
     outputs = llm.generate(batch, params, use_tqdm=False)
     c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
+    b1 = llm.collective_rpc(read_step_breakdown)[0]
     m = _measure(config, len(passages), length, outputs, c0, c1, t0, t1)
+    m.breakdown = breakdown_per_step(b0, b1)
+    if m.breakdown["period"] > 0:
+        # By the wall clock between decode steps, as a user waits for them.
+        m.worker_tok_s = m.output_tok_s
+        m.output_tok_s *= m.decode_s / (m.decode_steps * m.breakdown["period"] / 1e3)
     if config == "goodput":
         # The controller keeps what it learnt across runs (as in a serving
         # engine); its counts are this run's.
@@ -419,10 +442,18 @@ def write_batch(result: dict[str, Any], out_dir: Path, title: str) -> str:
     measurements = result.pop("_objects")
     table = batch_table(measurements)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    breakdowns = breakdown_table([
+        (f"{m.config} {m.batch_size} x {m.context_tokens}", m.breakdown)
+        for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size))
+        if m.breakdown])
     (out_dir / "results.md").write_text(
         f"# {title}\n\nOne `LLM.generate` call per row: the first `batch` passages of the "
-        "length, prefilled once per engine (prefix cache), decode-only timings.\n\n"
-        f"{table}\n")
+        "length, prefilled once per engine (prefix cache), decode-only timings; output tok/s "
+        "by the wall clock between decode steps.\n\n"
+        f"{table}\n\nWhere a decode step's time goes (ms per step, the reported run; "
+        "`benchmarks/step_breakdown.py`; execute_model includes the target forward, drafter "
+        "its control and retrieval plans):\n\n"
+        f"{breakdowns}\n")
     plot_by_batch_size(
         [asdict(m) | {"value": m.output_tok_s} for m in measurements],
         out_dir / "results.png", title, "output tokens/s (batch, decode)",

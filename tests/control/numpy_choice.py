@@ -32,6 +32,7 @@ def numpy_choice(
     other_tokens: int = 0,
     free_pause: bool = True,
     hysteresis: float = 0.1,
+    pause_margin: float = 0.1,
     must_draft: np.ndarray | None = None,
     resume_seconds: np.ndarray | None = None,
     draft_steps: np.ndarray | None = None,
@@ -77,11 +78,17 @@ def numpy_choice(
             if best is None or value > best[0]:
                 best = (value, uniform, steps, fixed, price)
         chosen, value = lengths[index], float(objective[index])
+        if steps == 0:
+            value = value * (1.0 + pause_margin)  # drafting must beat pausing by the margin
         if steps and longest[index] < steps:
             # D draft steps are only what they cost if a row drafts D: the
             # row likeliest to accept its D-th draft (at batch 1 the step's
             # cost per D, not the per-token cost, decides).
-            row = int(np.argmax(survival[:, steps - 1]))
+            # (Not a probing row: a probe drafts one token.)
+            eligible = np.ones(rows, dtype=bool) if must is None else ~must
+            if not eligible.any():
+                continue
+            row = int(np.flatnonzero(eligible)[np.argmax(survival[eligible, steps - 1])])
             if survival[row, steps - 1] <= 0:
                 continue
             chosen = chosen.copy()
@@ -201,7 +208,7 @@ def _dinkelbach(price: _PlanPrices, scale: np.ndarray,
         worth = worth > (current[:, None] * resume) if price.resumes else worth > 0.0
         chosen *= worth
         if must is not None:
-            np.maximum(chosen, must, out=chosen)
+            chosen = np.where(must, 1, chosen)  # a probe drafts one token
         lengths[active] = chosen
         new = price.goodput(chosen, fixed[active], scale)
         converged = np.abs(new - current) <= 1e-9 * np.maximum(new, 1.0)

@@ -60,7 +60,8 @@ def _random_case(rng: np.random.Generator):
     rates[rng.random(rates.shape) < rng.choice([0.0, 0.3])] = 1.0
     options = {"other_tokens": int(rng.choice([0, 0, 100])),
                "free_pause": bool(rng.random() < 0.8),
-               "hysteresis": float(rng.choice([0.0, 0.1, 0.3]))}
+               "hysteresis": float(rng.choice([0.0, 0.1, 0.3])),
+               "pause_margin": float(rng.choice([0.0, 0.1]))}
     if rng.random() < 0.5:
         options["must_draft"] = rng.random(rows) < rng.choice([0.0, 0.05, 0.5])
     if rng.random() < 0.6:

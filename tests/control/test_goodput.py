@@ -73,6 +73,13 @@ def test_the_compiled_fit_is_the_ridge_regressions_solution(piecewise_step):
         weights[:3] = np.maximum(weights[:3], 0.0)
         if piecewise_step:
             weights[-1] = max(weights[-1], 0.0)
+        # Untimed numbers of draft steps: priced per step as the most timed.
+        timed = np.flatnonzero(model.seen[3:3 + K])
+        if timed.size:
+            most = int(timed[-1]) + 1
+            for steps in range(1, K + 1):
+                if not model.seen[2 + steps]:
+                    weights[2 + steps] = weights[2 + most] / most * steps
         assert np.array_equal(model._gram, gram) and np.array_equal(model._moment, moment)
         assert model.weights == pytest.approx(weights, rel=1e-6, abs=1e-12)
         weights = model.weights.copy()  # each step from the same start
@@ -127,13 +134,36 @@ def test_a_row_drafts_when_its_drafts_are_worth_more_than_its_catch_up():
     assert (plan.draft_lengths == K).all()
 
 
+def test_a_probe_drafts_the_one_token_it_is_priced_at():
+    # A paused row (its catch-up costs more than its drafts are worth) with
+    # stale, sure estimates and draft steps almost free: on estimates alone
+    # it would draft K, but a probe is priced at one draft and one share of
+    # the draft forward, so it drafts one, however likely its later ones.
+    model = fitted({"step": 0.05, "verified_tokens": 0.004, "draft_forwards": 1e-5})
+    survival = np.ones((2, K))
+    resume = np.array([1.0, 1.0])
+    plan = choose_draft_lengths(survival, np.zeros(2, bool), model, 2, resume_seconds=resume,
+                                must_draft=np.array([True, False]))
+    assert plan.draft_lengths.tolist() == [1, 0] and plan.draft_steps == 1
+    # Beside a row that drafts on its estimates, it still drafts one.
+    plan = choose_draft_lengths(survival, np.zeros(2, bool), model, 2,
+                                resume_seconds=np.array([1.0, 0.0]),
+                                must_draft=np.array([True, False]))
+    assert plan.draft_lengths.tolist() == [1, K]
+    # Even where its estimates alone would have it draft K (no catch-up).
+    plan = choose_draft_lengths(survival, np.zeros(2, bool), model, 2,
+                                must_draft=np.array([True, False]))
+    assert plan.draft_lengths.tolist() == [1, K]
+
+
 def test_hysteresis_keeps_a_row_on_its_side_of_the_threshold():
     model = fitted({"step": 0.05, "verified_tokens": 0.01, "draft_forwards": 0.001})
     # The acceptance near the break-even point of the first position.
     survival = np.zeros((2, K))
     for rate in np.linspace(0.05, 0.6, 56):
         survival[:, 0] = rate
-        plan = choose_draft_lengths(survival, np.array([True, False]), model, 2)
+        plan = choose_draft_lengths(survival, np.array([True, False]), model, 2,
+                                    pause_margin=0.0)
         if plan.draft_lengths[0] and not plan.draft_lengths[1]:
             break
     else:
@@ -343,10 +373,14 @@ def test_a_paused_request_at_batch_1_is_probed_within_its_budget():
     assert engine.history[-1]["r"] == 0
     assert controller.cost.weights[1] > 0.02  # a token's cost, overstated
     engine.acceptance["r"] = 1.0
-    for _ in range(60):
+    for _ in range(160):
         engine.step()
     assert controller.stats.probes > 0
-    # A probe saw the drafts agree: the request drafts on its estimates.
+    # A probe (one draft, what it is priced at) saw the drafts agree: the
+    # request drafts on its estimates, and up to K once an exploration
+    # tried the positions its probes never reached.
+    drafts = [h["r"] for h in engine.history[20:]]
+    assert drafts[drafts.index(next(d for d in drafts if d))] == 1
     assert [h["r"] for h in engine.history[-10:]] == [K] * 10
     # Drafting on, each step catches up only the tokens of the one before.
     assert engine.caught_up <= K + 1
@@ -573,16 +607,20 @@ def test_prompts_nobody_would_draft_for_reach_the_draft_within_the_prompt_budget
 
 def test_a_prompt_is_not_run_through_the_draft_for_a_number_of_draft_steps_never_timed():
     # Timed: paused steps (0.05 s + 5 ms a token) and K draft steps (1 s,
-    # never pays). One
-    # or two draft steps were never run, so the model prices them at their
-    # tokens alone: the choice would try them, but that is no reason to pay
-    # a prompt's draft prefill.
+    # never pays). One or two draft steps were never run, so the model
+    # prices them per draft step as K's (not as free, which would have the
+    # choice try each once on the whole batch); untimed, they are still no
+    # reason to pay a prompt's draft prefill.
     controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
     for step in range(20):
         tokens = 2 + step % 7
         controller.cost.observe(step_features(tokens, 0, K), 0.05 + 0.005 * tokens)
     for _ in range(3):
         controller.cost.observe(step_features(4 + 4 * K, K, K), 1.0)
-    assert controller.cost.predict(step_features(5, 1, K)) < 0.1
+    paused = controller.cost.predict(step_features(5, 0, K))
+    per_draft_step = (controller.cost.predict(step_features(5, K, K)) - paused) / K
+    for steps in range(1, K):
+        assert controller.cost.predict(step_features(5, steps, K)) - paused == pytest.approx(
+            steps * per_draft_step)
     plan = controller.plan(["new"], np.array([0]), np.array([64]), np.array([1000]), 0.0)
     assert plan.draft_steps == 0 and not plan.draft_prefill

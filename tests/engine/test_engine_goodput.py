@@ -260,17 +260,18 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
     assert lengths[K] > lengths[0] and lengths[K] > sum(lengths[1:K])
     # What the draft actually ran, one entry per target forward: "" where its
     # forward was skipped, "D" per draft forward otherwise (measured: blind,
-    # 85 of 93 steps skipped; seeing, 48 skipped, then ~70 steps drafting,
-    # 66 of them K deep).
+    # 89 of 93 steps skipped).
     assert blind_steps.count("") == blind_run["skipped_draft_forwards"]
     assert seeing_steps.count("") == seeing_run["skipped_draft_forwards"]
     assert blind_steps.count("") > 0.8 * len(blind_steps)
     # Seeing: still paused at first (the blind run's back-off), then resumed:
-    # the draft runs at every step after the last skipped one, K deep.
-    last_skipped = max(i for i, forwards in enumerate(seeing_steps) if forwards == "")
-    assert last_skipped >= 40
-    resumed = seeing_steps[last_skipped + 1:]
-    assert len(resumed) >= 60 and "" not in resumed
+    # the draft runs at every step from its first K-deep forward on, K deep,
+    # but for an exploration's pause (measured: 51 skipped, then 69 steps
+    # drafting K deep, one exploration's pause, 7 more).
+    first_resumed = seeing_steps.index("D" * K)
+    assert first_resumed >= 40
+    resumed = seeing_steps[first_resumed:]
+    assert len(resumed) >= 60 and resumed.count("") <= seeing_run["explorations"]
     assert resumed.count("D" * K) >= 0.85 * len(resumed)
 
 

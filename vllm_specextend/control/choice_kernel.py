@@ -222,8 +222,8 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
             chosen = chosen_rows[row]
             # A row drafts when its kept positions are worth its resumption.
             chosen = chosen if worth_rows[row] > (current * resume[row] if resumes else 0.0) else 0
-            if has_must:
-                chosen = max(chosen, 1) if must[row] else chosen
+            if has_must and must[row]:
+                chosen = 1  # a probe drafts the one token it is priced at
             lengths[row] = chosen
             total += chosen
             if resumes:
@@ -247,17 +247,17 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
 
 
 @compiled
-def _likeliest(survival, column):
-    """``np.argmax(survival[:, column])``: the first maximum (or NaN)."""
-    best = 0
-    top = survival[0, column]
-    if top != top:
-        return 0
-    for row in range(1, survival.shape[0]):
+def _likeliest(survival, column, must, has_must):
+    """``np.argmax(survival[:, column])`` over the rows that do not probe
+    (a probe drafts one token): the first maximum (or NaN); -1: none."""
+    best, top = -1, 0.0
+    for row in range(survival.shape[0]):
+        if has_must and must[row]:
+            continue
         value = survival[row, column]
         if value != value:
             return row
-        if value > top:
+        if best < 0 or value > top:
             best, top = row, value
     return best
 
@@ -272,14 +272,16 @@ def _any(values):
 
 
 @compiled
-def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token, resume, must,
-                   uniform_length, piecewise_cost):
+def choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_steps, per_token,
+                   resume, must, uniform_length, piecewise_cost):
     """``(draft lengths, draft steps, expected goodput)`` of the best plan
     over every number of draft steps ``D`` allowed (``draft_steps``; empty:
-    all; none but 0 when a row ``must`` draft: draft steps -1). ``fixed[D]``:
+    all; none but 0 when a row ``must`` draft: draft steps -1). A row that
+    ``must`` draft (a probe) drafts exactly one token: what it is priced at. ``fixed[D]``:
     the step's seconds before its tokens; ``resume``: per row, what drafting
     at all adds to them (empty or all 0: nothing); ``uniform_length`` (-1:
-    none): the drafts per row that keep the step in the FULL graphs. (Long
+    none): the drafts per row that keep the step in the FULL graphs; a plan
+    that drafts must beat pausing every row by ``pause_margin``. (Long
     as the whole pick in one pass: solve each ``D``, weigh its plans, keep
     the best.)"""
     rows, max_k = survival.shape
@@ -305,14 +307,16 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
                 best[:] = candidate
                 best_value, best_steps = value, steps
         value = _solve(batch, positions, steps, fixed[steps], must, has_must, lengths)
+        if steps == 0:
+            value = value * (1.0 + pause_margin)
         chosen = lengths
         if steps and (rows == 0 or lengths.max() < steps):
             # D draft steps are only what they cost if a row drafts D: the
             # row likeliest to accept its D-th draft.
             if rows == 0:
                 continue
-            row = _likeliest(survival, steps - 1)
-            if survival[row, steps - 1] <= 0:
+            row = _likeliest(survival, steps - 1, must, has_must)
+            if row < 0 or survival[row, steps - 1] <= 0:
                 continue
             candidate[:] = lengths
             candidate[row] = steps
@@ -329,8 +333,8 @@ def choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, per_token
 
 @compiled
 def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_step,
-                        num_requests, other_tokens, free_pause, hysteresis, draft_steps, resume,
-                        must, uniform_draft_length):
+                        num_requests, other_tokens, free_pause, hysteresis, pause_margin,
+                        draft_steps, resume, must, uniform_draft_length):
     """:func:`choose_lengths` for a step of ``num_requests`` requests and
     ``other_tokens`` prefill tokens, priced by the cost model's ``weights``
     (``piecewise_step``: the model has that feature;
@@ -345,13 +349,13 @@ def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_
     fixed = fixed_seconds(weights, max_draft_steps, num_requests + other_tokens, max_k,
                           free_pause, graphs)
     piecewise_cost = weights[weights.shape[0] - 1] if piecewise_step else 0.0
-    return choose_lengths(survival, drafting, hysteresis, fixed, draft_steps, weights[1], resume,
-                          must, uniform, piecewise_cost)
+    return choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_steps,
+                          weights[1], resume, must, uniform, piecewise_cost)
 
 
 def warm_up_choice() -> None:
     """Compile (or load) the choice for the argument types the controller
     passes, so that no step waits for it."""
     choose_step_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), np.zeros(5), 1, True, 1, 0,
-                        True, 0.1, np.zeros(0, dtype=bool), np.zeros(1), np.zeros(1, dtype=bool),
+                        True, 0.1, 0.1, np.zeros(0, dtype=bool), np.zeros(1), np.zeros(1, dtype=bool),
                         -1)

@@ -136,7 +136,29 @@ def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, 
             solution[i] = 0.0
     if piecewise_step and solution[num - 1] < 0.0:
         solution[num - 1] = 0.0
+    _price_untimed_draft_steps(solution, seen,
+                               num - NUM_LINEAR_FEATURES - (1 if piecewise_step else 0))
     return solution
+
+
+@compiled
+def _price_untimed_draft_steps(weights, seen, max_draft_steps):
+    """A number of draft steps no step has shown yet costs, per draft step,
+    what the most draft steps timed cost per step (draft forwards cost
+    about alike), not nothing: otherwise the controller would try every
+    untimed ``D`` on the whole batch once, whatever a draft forward costs.
+    Nothing timed yet: left as it is (the warm-up times ``K`` first)."""
+    most = 0
+    for steps in range(max_draft_steps, 0, -1):
+        if seen[NUM_LINEAR_FEATURES + steps - 1]:
+            most = steps
+            break
+    if most == 0:
+        return
+    per_step = weights[NUM_LINEAR_FEATURES + most - 1] / most
+    for steps in range(1, max_draft_steps + 1):
+        if not seen[NUM_LINEAR_FEATURES + steps - 1]:
+            weights[NUM_LINEAR_FEATURES + steps - 1] = per_step * steps
 
 
 @compiled
@@ -173,10 +195,10 @@ class StepCostModel:
     """Seconds per engine step, ``features . weights``, learnt online.
 
     Exponentially weighted ridge regression (recent steps count more; the
-    ridge term keeps unidentified weights at zero until the data tells them
-    apart: a number of draft steps never seen costs nothing beyond its
-    tokens, so the controller tries it when acceptance says it would pay, and
-    learns). The base and the per-token costs are clipped at zero; the cost of
+    ridge term keeps unidentified weights where they are until the data
+    tells them apart: a number of draft steps never seen is priced per draft
+    step as the most draft steps seen, so the controller tries it when
+    acceptance says it would pay at that price, and learns). The base and the per-token costs are clipped at zero; the cost of
     ``D`` draft steps is not, since it corrects the per-token cost at small
     batch, where the two move together (a 3-token step can cost less than a
     2-token one).

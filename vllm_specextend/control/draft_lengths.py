@@ -84,6 +84,7 @@ def choose_draft_lengths(
     other_tokens: int = 0,
     free_pause: bool = True,
     hysteresis: float = 0.1,
+    pause_margin: float = 0.1,
     must_draft: np.ndarray | None = None,
     resume_seconds: np.ndarray | None = None,
     draft_steps: np.ndarray | None = None,
@@ -97,13 +98,15 @@ def choose_draft_lengths(
             (hysteresis: a drafting row keeps a position down to
             ``(1 - hysteresis)`` of the threshold, a paused row resumes above
             ``(1 + hysteresis)``).
+        pause_margin: a plan that drafts must be expected to beat pausing
+            every row by this share.
         cost: the step-cost model.
         num_requests: requests in the next step (prefills included).
         other_tokens: tokens verified besides the decode rows' (prefill chunks).
         free_pause: whether a step with no drafts skips the draft forward
             (otherwise vLLM's first pass still runs once).
-        must_draft: ``[rows]`` bool, rows probing this step: they draft at
-            least one token.
+        must_draft: ``[rows]`` bool, rows probing this step: they draft
+            one token (what a probe is priced at).
         resume_seconds: ``[rows]`` what drafting at all adds to the step for
             a row (its catch-up after a pause, amortised), beyond its tokens.
         draft_steps: ``[K + 1]`` bool, the numbers of draft steps to
@@ -123,7 +126,7 @@ def choose_draft_lengths(
     lengths, steps, goodput = choose_step_lengths(
         floats(survival), flags(drafting), floats(cost.weights), cost.max_draft_steps,
         cost.piecewise_step, num_requests, other_tokens, free_pause, float(hysteresis),
-        _NO_FLAGS if draft_steps is None else flags(draft_steps),
+        float(pause_margin), _NO_FLAGS if draft_steps is None else flags(draft_steps),
         _NO_SECONDS if resume_seconds is None else floats(resume_seconds),
         _NO_FLAGS if must_draft is None else flags(must_draft),
         -1 if uniform_draft_length is None else uniform_draft_length)

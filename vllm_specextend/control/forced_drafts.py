@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specextend.control.draft_lengths import DraftPlan
-from vllm_specextend.control.kernel_args import floats
+from vllm_specextend.control.kernel_args import flags, floats
 from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, catch_up_prices
 
 __all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]
@@ -55,15 +55,17 @@ class ForcedDrafts:
         gap is not forced before: ``plan``'s ``whole_catch_up``.)"""
         return float(catch_up_prices(self.cost.weights, self._catch_up_timed)[1])
 
-    def _affordable(self, budgets: np.ndarray, draft_steps: int, num_requests: int,
+    def _affordable(self, budgets: np.ndarray, draft_steps: int, drafting: np.ndarray,
                     least: np.ndarray) -> np.ndarray:
-        """``[rows]``: the budget covers ``draft_steps`` forced drafts and
-        the least catch-up (``least`` tokens)."""
+        """``[rows]``: the rows not ``drafting`` anyway whose budgets cover
+        ``draft_steps`` forced drafts, the least catch-up (``least`` tokens)
+        and their share of the draft forwards (split with the rows that join
+        and those drafting: ``plan_kernels.share_forwards``)."""
         return affordable(budgets, least, floats(self.cost.weights), draft_steps,
-                          num_requests, self._forced_catch_up_seconds())
+                          flags(drafting), self._forced_catch_up_seconds())
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
-                 num_requests: int, least: np.ndarray) -> DraftPlan:
+                 least: np.ndarray) -> DraftPlan:
         """Warm-up: two plans at full K, then two with no drafts; after that,
         every ``explore_interval`` plans, one that departs from the choice:
         every row drafting D (D cycling through 1..K) or, while some rows
@@ -85,8 +87,8 @@ class ForcedDrafts:
             return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
         if kind == "draft":
             steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
-            rows = decoding & ((plan.draft_lengths > 0)
-                               | self._affordable(budgets, steps, num_requests, least))
+            drafting = plan.draft_lengths > 0
+            rows = decoding & (drafting | self._affordable(budgets, steps, drafting, least))
             if not rows.any():
                 return plan  # until a budget covers it
             plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)

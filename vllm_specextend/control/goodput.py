@@ -139,7 +139,7 @@ class GoodputController(ForcedDrafts):
         """What ``settle_plan`` updates."""
         self._settings = (float(p.probe_budget), int(p.min_probe_catch_up),
                           int(p.probe_interval), int(p.max_probe_backoff), float(p.hysteresis),
-                          bool(free_pause))
+                          float(p.pause_margin), bool(free_pause))
         # Per row of a plan (its first rows), scratch:
         self._row_flags = np.zeros((4, max_requests), dtype=bool)
         """Verifying drafts, decoding after the step, drafted at the
@@ -257,7 +257,7 @@ class GoodputController(ForcedDrafts):
         plan = DraftPlan(lengths, steps, goodput)
         if exploring:
             plan = self._explore(plan, self._row_flags[1, :num_requests],
-                                 self._row_seconds[0, :num_requests], num_requests,
+                                 self._row_seconds[0, :num_requests],
                                  self._row_ints[0, :num_requests])
         elif some_decode:
             self._since_exploration += 1  # what _explore counts when it changes nothing
@@ -374,14 +374,14 @@ class GoodputController(ForcedDrafts):
         would draft at its decode steps beside this batch, caught up and as
         likely to be accepted as the engine's requests so far. Only numbers
         of draft steps the engine has timed count, once it has timed one: an
-        untimed one looks free (the choice learns it by trying), which is no
-        reason to pay a prompt's draft prefill."""
+        untimed one is only priced by proportion to a timed one, which is
+        no reason to pay a prompt's draft prefill."""
         fresh = np.cumprod(self.acceptance.engine_rates)
         seen = self.cost.draft_steps_seen()
         plan = choose_draft_lengths(
             np.where(prompting[:, None], fresh[None, :], survival), drafting & ~prompting,
             self.cost, num_requests, free_pause=self.free_pause,
-            hysteresis=self.parameters.hysteresis,
+            hysteresis=self.parameters.hysteresis, pause_margin=self.parameters.pause_margin,
             resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
             draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())

@@ -68,23 +68,70 @@ def _clip_at_zero(value):
 
 
 @compiled
-def forced_seconds(weights, draft_steps, num_requests):
-    """What a row's ``draft_steps`` forced drafts add to a step, catch-up
-    aside: their verification and the row's share of the draft forwards."""
-    forwards = 0.0
-    if draft_steps:
-        forwards = _clip_at_zero(weights[NUM_LINEAR_FEATURES + draft_steps - 1])
-    return draft_steps * weights[1] + forwards / num_requests
+def forward_seconds(weights, draft_steps):
+    """The draft forwards of ``draft_steps`` steps: the whole batch's, run
+    once for every row that drafts."""
+    if not draft_steps:
+        return 0.0
+    return _clip_at_zero(weights[NUM_LINEAR_FEATURES + draft_steps - 1])
 
 
 @compiled
-def affordable(budgets, least, weights, draft_steps, num_requests, per_catch_up):
-    """``[rows]``: the budget covers ``draft_steps`` forced drafts and the
-    least catch-up (``least`` tokens at ``per_catch_up`` seconds)."""
-    price = forced_seconds(weights, draft_steps, num_requests)
-    covered = np.empty(budgets.shape[0], np.bool_)
-    for row in range(budgets.shape[0]):
-        covered[row] = budgets[row] >= price + per_catch_up * least[row]
+def forced_seconds(weights, draft_steps, sharing):
+    """What a row's ``draft_steps`` forced drafts add to a step, catch-up
+    aside: their verification and its share of the draft forwards, which
+    the ``sharing`` rows drafting in the step split."""
+    return draft_steps * weights[1] + forward_seconds(weights, draft_steps) / max(sharing, 1)
+
+
+@compiled
+def share_forwards(margins, eligible, forward, sharers, covered):
+    """Which ``eligible`` rows draft by force together (into ``covered``):
+    the most rows whose ``margins`` (budget left after their own drafts'
+    verification and catch-up) each cover an equal share of ``forward``
+    seconds, split with ``sharers`` rows that draft anyway. One row alone
+    pays the whole forward: a step's draft forward runs for every row
+    whether one row drafts or all do. Returns how many."""
+    rows = margins.shape[0]
+    candidates = np.empty(rows)
+    count = 0
+    for row in range(rows):
+        covered[row] = False
+        if eligible[row]:
+            candidates[count] = margins[row]
+            count += 1
+    ranked = np.sort(candidates[:count])[::-1]
+    joined = 0
+    for index in range(count):
+        if ranked[index] >= forward / (index + 1 + sharers):
+            joined = index + 1
+    if joined == 0:
+        return 0
+    least = ranked[joined - 1]
+    taken = 0
+    for row in range(rows):
+        if eligible[row] and margins[row] >= least and taken < joined:
+            covered[row] = True
+            taken += 1
+    return joined
+
+
+@compiled
+def affordable(budgets, least, weights, draft_steps, drafting, per_catch_up):
+    """``[rows]``: the rows whose budgets cover ``draft_steps`` forced drafts,
+    the least catch-up (``least`` tokens at ``per_catch_up`` seconds) and
+    an equal share of the draft forwards with the others that join and the
+    rows ``drafting`` anyway (:func:`share_forwards`)."""
+    rows = budgets.shape[0]
+    margins = np.empty(rows)
+    eligible = np.empty(rows, np.bool_)
+    sharers = 0
+    for row in range(rows):
+        margins[row] = budgets[row] - draft_steps * weights[1] - per_catch_up * least[row]
+        eligible[row] = not drafting[row]
+        sharers += drafting[row]
+    covered = np.empty(rows, np.bool_)
+    share_forwards(margins, eligible, forward_seconds(weights, draft_steps), sharers, covered)
     return covered
 
 
@@ -114,7 +161,8 @@ def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min
     probing, least, paused, probe_after = row_flags[3], row_ints[0], row_ints[1], row_ints[2]
     budgets, resume = row_seconds[0], row_seconds[1]
     rows = slots.shape[0]
-    probe_price = forced_seconds(weights, 1, rows)
+    margins = np.empty(rows)
+    due = np.empty(rows, np.bool_)
     for row in range(rows):
         slot = slots[row]
         paused[row], probe_after[row] = paused_state[slot], probe_after_state[slot]
@@ -124,9 +172,14 @@ def forced_rows(slots, decoding, gaps, whole, state, budget_per_paused_step, min
             least[row] = max(gaps[row], min_catch_up)
             if not timed:
                 budgets[row] = 0.0  # its price unknown, a whole gap is not risked
-        due = paused[row] >= (probe_after[row] if probe_after[row] != 0 else probe_interval)
-        probing[row] = decoding[row] and due and (
-            budgets[row] >= probe_price + per_forced_token * least[row])
+        due[row] = decoding[row] and paused[row] >= (
+            probe_after[row] if probe_after[row] != 0 else probe_interval)
+        # A probe drafts one token: its verification and catch-up first.
+        margins[row] = budgets[row] - weights[1] - per_forced_token * least[row]
+    # Probes due together share the one draft forward they run.
+    share_forwards(margins, due, forward_seconds(weights, 1), 0, probing[:rows])
+    for row in range(rows):
+        slot = slots[row]
         resume[row] = 0.0
         if gaps.shape[0] and not probing[row]:
             horizon = max(drafted_steps[slot] + paused_decode_steps[slot], probe_interval)
@@ -149,11 +202,14 @@ def catch_up_limits(lengths, probing, chosen, budgets, least, weights, timed, pe
         some |= forced[row]
     if not some or (timed and not per_catch_up > 0):
         return limits
+    drafting = 0
+    for row in range(rows):
+        drafting += lengths[row] > 0
     for row in range(rows):
         if forced[row] and not timed:
             limits[row] = least[row]
         elif forced[row]:
-            left = budgets[row] - forced_seconds(weights, lengths[row], rows)
+            left = budgets[row] - forced_seconds(weights, lengths[row], drafting)
             bought = np.floor(_clip_at_zero(left) / per_catch_up)
             if not (bought <= _MOST_AFFORDABLE or bought != bought):
                 bought = _MOST_AFFORDABLE
@@ -258,12 +314,13 @@ def plan_rows(slots, gaps, whole, forced_state, plan_state, survival, weights, m
     (:func:`~vllm_specextend.control.choice_kernel.choose_step_lengths`)
     and, with ``settle`` (no exploration may change the plan), its
     :func:`settle_plan`. ``settings``: ``(probe budget, least probe
-    catch-up, probe interval, most probe back-off, hysteresis, free
-    pause)``; ``forced_state``, ``plan_state``: :func:`forced_rows`'s and
+    catch-up, probe interval, most probe back-off, hysteresis, pause
+    margin, free pause)``; ``forced_state``, ``plan_state``: :func:`forced_rows`'s and
     :func:`settle_plan`'s ``state``. Returns the lengths, draft steps and
     expected goodput, the predicted paused step, whether a row decodes, and
     the limits and counts (empty and zero unless settled)."""
-    probe_budget, min_catch_up, probe_interval, max_backoff, hysteresis, free_pause = settings
+    (probe_budget, min_catch_up, probe_interval, max_backoff, hysteresis, pause_margin,
+     free_pause) = settings
     rows = slots.shape[0]
     per_token, per_forced_token = catch_up_prices(weights, timed)
     paused_step = step_seconds(weights, max_draft_steps, rows + other_tokens, 0, 0,
@@ -277,7 +334,8 @@ def plan_rows(slots, gaps, whole, forced_state, plan_state, survival, weights, m
     resume = row_seconds[1, :rows] if gaps.shape[0] else row_seconds[1, :0]
     lengths, steps, goodput = choose_step_lengths(
         survival, row_flags[2, :rows], weights, max_draft_steps, piecewise_step, rows,
-        other_tokens, free_pause, hysteresis, row_flags[1, :0], resume, row_flags[3, :rows],
+        other_tokens, free_pause, hysteresis, pause_margin, row_flags[1, :0], resume,
+        row_flags[3, :rows],
         uniform_draft_length)
     some_decode = False
     for row in range(rows):
@@ -301,14 +359,14 @@ def warm_up_plan_kernels() -> None:
                                         np.zeros((3, 1), dtype=np.int64), np.zeros((2, 1)))
     step_rows(ints, ints, ints, ints, -1, ints, (np.zeros((1, 1)), floats, 0.2, 0.5,
               np.zeros((1, 1))), (ints.copy(), ints.copy(), flags.copy(), flags), row_flags)
-    affordable(floats, ints, weights, 1, 1, 0.0)
+    affordable(floats, ints, weights, 1, flags, 0.0)
     catch_up_prices(weights, False)
     plan_state = (ints.copy(), flags.copy(), ints.copy(), ints.copy(), ints.copy(), ints.copy())
     histogram = np.zeros(2, dtype=np.int64)
     settle_plan(ints, ints, ints, row_flags, row_ints, row_seconds, weights, False, 0.0,
                 plan_state, histogram, 16, 8)
     plan_rows(ints, ints, flags, (ints, ints, ints, ints), plan_state, np.zeros((1, 1)),
-              weights, 1, False, 0, False, (0.02, 8, 16, 8, 0.1, True), -1, True, row_flags,
+              weights, 1, False, 0, False, (0.02, 8, 16, 8, 0.1, 0.1, True), -1, True, row_flags,
               row_ints, row_seconds, histogram)
     start_requests(ints, 0, ints.copy(), ints.copy(), ints.copy(), flags.copy(), flags.copy(),
                    ints.copy(), ints.copy(), ints.copy(), ints.copy(), np.zeros((1, 1)), floats)
