@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from benchmarks.sync_sites import SyncSites
+from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.control.owner import DraftControl
-from vllm_specextend.core.planner import PlanningBatch
 
 K, BLOCK_SIZE, MAX_REQS, MAX_BLOCKS, HIDDEN = 4, 16, 8, 256, 64
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tests.dense_reference import attention_scores, chunk_scores, context_keys
-from vllm_specextend.core.planner import PlanningBatch
+from vllm_specextend.common.planning_batch import PlanningBatch
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE, K, CHUNK = 16, 4, 32

@@ -54,17 +54,30 @@ import numpy as np
 import torch
 
 from benchmarks.gpu_batches import (
-    BLOCK_SIZE, CHUNK, HEAD_DIM, HEADS, K, KV_HEADS, QUERY_ROWS, BatchSpec, dense_chunk_sums,
-    key_bytes, make_inputs, parse_grid, plan_score_errors, planning_batch, uniform_query_rows,
+    BLOCK_SIZE,
+    CHUNK,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    QUERY_ROWS,
+    BatchSpec,
+    K,
+    dense_chunk_sums,
+    key_bytes,
+    make_inputs,
+    parse_grid,
+    plan_score_errors,
+    planning_batch,
+    uniform_query_rows,
 )
 from benchmarks.gpu_kernels_report import plot, summary_line, write
 from benchmarks.report import git_commit
 from benchmarks.sync_sites import SyncSites
-from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.planner import RetrievalPlanner
-from vllm_specextend.core.scoring import ScoringWorkspace, chunk_attention_sums
-from vllm_specextend.core.selection import rewrite_block_table, select_blocks
-from vllm_specextend.core.target_tap import TargetAttentionTap
+from vllm_specextend.common.options import SpecExtendConfig
+from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace, chunk_attention_sums
+from vllm_specextend.retrieval.kernels.selection import rewrite_block_table, select_blocks
+from vllm_specextend.retrieval.planner import RetrievalPlanner
+from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
 TARGET_WEIGHT_BYTES = 16e9  # an 8B target in bf16
 TARGET_LAYERS = 32

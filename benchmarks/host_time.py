@@ -2,9 +2,9 @@
 
 What runs on the host every step besides vLLM's own Python:
 
-- the request slots both features share (``core/request_slots.py``):
+- the request slots both features share (``common/request_slots.py``):
   arrivals and departures, with each feature's handling of them;
-- the planner's Python (``core/planner.py``, ``core/request_rows.py``):
+- the planner's Python (``retrieval/planner.py``, ``retrieval/request_rows.py``):
   row classification, index staging and the bookkeeping of the rows that
   retrieved;
 - goodput control's (``control/speculation_control.py``): its ``plan``
@@ -42,12 +42,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.report import RESULTS_DIR, git_commit, pyplot, save_figure
-from vllm_specextend.core.counters import FINISHED_ROWS, RetrievalStats
-from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.planner import PlanningBatch, RetrievalPlanner
-from vllm_specextend.core.request_slots import RequestSlots
-from vllm_specextend.core.target_tap import TargetAttentionTap
+from vllm_specextend.common.options import SpecExtendConfig
+from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.speculation_control import SpeculationControl
+from vllm_specextend.retrieval.counters import FINISHED_ROWS, RetrievalStats
+from vllm_specextend.retrieval.planner import RetrievalPlanner
+from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
 META = torch.device("meta")
 BLOCK_SIZE = 16

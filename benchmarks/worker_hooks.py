@@ -68,7 +68,7 @@ def reconfigure_drafter(worker, options: dict) -> None:
     control on or off (switched off, its controller rests on the owner and
     keeps what it learnt about this engine for when it is back on). Each
     feature can only switch in an engine built with it."""
-    from vllm_specextend.core.options import SpecExtendConfig, SpecExtendConfigError
+    from vllm_specextend.common.options import SpecExtendConfig, SpecExtendConfigError
 
     config = SpecExtendConfig.from_dict(options)
     drafter = _drafter(worker.model_runner)

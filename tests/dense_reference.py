@@ -1,6 +1,6 @@
 """Dense references the tests check the bounded production code against:
 the whole context gathered, softmax in float32, chunk means. Test-only: the
-planner scores tile by tile (``vllm_specextend.core.scoring``)."""
+planner scores tile by tile (``vllm_specextend.retrieval.kernels.scoring``)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm_specextend.core.staging import is_staging_memory
+from vllm_specextend.common.staging import is_staging_memory
 
 aten = torch.ops.aten
 

@@ -1,6 +1,7 @@
 """The package's layers (docs/design.md, "Package layout"): imports only point down,
-counting imports inside functions and imports of a package ``__init__``, and
-the core imports no vLLM."""
+counting imports inside functions and imports of a package ``__init__``; the
+two features never import each other; the shared layer and the algorithms
+import no vLLM (only the modules that hook into it do)."""
 
 import ast
 from pathlib import Path
@@ -12,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_specextend"
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS = [
     ("utilities", ["vllm_specextend.log", "vllm_specextend.post_import"]),
-    ("core", ["vllm_specextend.core"]),
+    ("common", ["vllm_specextend.common"]),
     ("features", ["vllm_specextend.retrieval", "vllm_specextend.control"]),
     ("adapters", ["vllm_specextend.drafters", "vllm_specextend.metrics"]),
     ("patches", ["vllm_specextend.patches"]),
@@ -76,9 +77,29 @@ def test_imports_point_down(path):
     check_imports_point_down(module_name(path), path)
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")),
-                         ids=lambda p: module_name(p))
-def test_core_imports_no_vllm(path):
+FEATURES = ("vllm_specextend.retrieval", "vllm_specextend.control")
+VLLM_HOOKS = ("vllm_specextend/retrieval/owner.py", "vllm_specextend/retrieval/layer_hooks.py")
+"""The features' modules that import vLLM: retrieval's hooks on its layers."""
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_the_features_never_import_each_other(path):
+    here = module_name(path)
+    own = next((feature for feature in FEATURES if here.startswith(feature)), None)
+    if own is None:
+        return
+    for line, target in imported_modules(path):
+        other = next((feature for feature in FEATURES if target.startswith(feature)), own)
+        assert other == own, f"{here}:{line} imports {target}: the features are independent"
+
+
+ALGORITHMS = sorted(p for folder in ("common", "retrieval", "control")
+                    for p in (PACKAGE / folder).rglob("*.py")
+                    if str(p.relative_to(PACKAGE.parent)) not in VLLM_HOOKS)
+
+
+@pytest.mark.parametrize("path", ALGORITHMS, ids=lambda p: module_name(p))
+def test_the_shared_layer_and_the_algorithms_import_no_vllm(path):
     for line, target in imported_modules(path):
         assert target.split(".")[0] != "vllm", f"{path.name}:{line} imports {target}"
 
@@ -91,4 +112,4 @@ def test_the_check_catches_upward_and_package_imports(tmp_path, source):
     fake = tmp_path / "fake.py"
     fake.write_text(source)
     with pytest.raises(AssertionError, match="imports"):
-        check_imports_point_down("vllm_specextend.core.fake", fake)
+        check_imports_point_down("vllm_specextend.common.fake", fake)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specextend.core.counters import FINISHED_ROWS, RetrievalStats
 from vllm_specextend.metrics import SpecExtendCollector
+from vllm_specextend.retrieval.counters import FINISHED_ROWS, RetrievalStats
 
 NO_PRIVATE_LAYOUTS = {"private_layout_areas": 0, "layouts_in_place": 0}
 
@@ -103,7 +103,7 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
 
     from vllm_specextend.control.speculation_control import SpeculationControl
 
-    control = SpeculationControl(max_requests=4, num_speculative_tokens=2, free_pause=True)
+    control = SpeculationControl(max_num_reqs=4, num_speculative_tokens=2, free_pause=True)
     prompt = np.array([100, 100])
     context = np.array([100, 100])
     for _ in range(6):  # warm-up: 2 steps at K, then 2 paused, then the controller's choice

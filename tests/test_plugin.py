@@ -95,13 +95,13 @@ def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkey
 
 
 def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypatch):
-    from tests.retrieval.test_engine_options import engine_config
+    from tests.common.test_engine_setup import engine_config
     from vllm_specextend import patches
-    from vllm_specextend.retrieval import engine_options
+    from vllm_specextend.common import engine_setup
 
     calls = []
-    resolve = engine_options.resolve_setup
-    monkeypatch.setattr(engine_options, "resolve_setup", lambda config: calls.append(config)
+    resolve = engine_setup.resolve_setup
+    monkeypatch.setattr(engine_setup, "resolve_setup", lambda config: calls.append(config)
                         or resolve(config))
     # Resolved at engine construction, kept on the config for every reader.
     ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
@@ -146,9 +146,10 @@ def test_vllms_kernel_overrides_register_beside_our_compiled_loops():
     Without the plugin's patch (``patches._patch_kernel_dispatcher``) this
     fails with "'_lib_fn_wrapper' object has no attribute 'get'"."""
     import llvmlite.binding.ffi  # noqa: F401 (as numba loads it)
+
     from vllm.triton_utils import dispatcher
 
-    import vllm_specextend.core.row_kernels  # noqa: F401
+    import vllm_specextend.retrieval.row_kernels  # noqa: F401
 
     vllm_specextend.register()
     assert dispatcher.register_kernels._specextend_wrapped

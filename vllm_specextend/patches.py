@@ -12,7 +12,7 @@ options every wrapper calls straight through.
   synchronous scheduler; with compact draft positions and no user
   ``max_num_batched_tokens``, prompt chunks of half the draft's window),
   then resolves the options against it and keeps the result for every
-  reader of that config (``retrieval/engine_options.py``).
+  reader of that config (``common/engine_setup.py``).
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -63,12 +63,9 @@ from typing import Any
 
 import torch
 
-from vllm_specextend.core.options import SpecExtendConfigError, spec_extend_options
-from vllm_specextend.log import plugin_logger
-from vllm_specextend.post_import import when_imported
-from vllm_specextend.retrieval.engine_options import (
+from vllm_specextend.common.engine_setup import (
     SETUP_ATTRIBUTE,
-    RetrievalSetup,
+    EngineSetup,
     adjust_engine_args,
     adjust_vllm_config,
     kept_setup,
@@ -76,6 +73,9 @@ from vllm_specextend.retrieval.engine_options import (
     requested_config,
     requests_spec_extend,
 )
+from vllm_specextend.common.options import SpecExtendConfigError, spec_extend_options
+from vllm_specextend.log import plugin_logger
+from vllm_specextend.post_import import when_imported
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 VLLM_CONFIG_MODULE = "vllm.config.vllm"
@@ -136,7 +136,7 @@ def wrap_once(owner: type | ModuleType, name: str,
     setattr(owner, name, property(wrapper) if is_property else wrapper)
 
 
-def engine_setup(engine: Any) -> RetrievalSetup | None:
+def engine_setup(engine: Any) -> EngineSetup | None:
     """An engine's resolved options (resolved at its construction and kept)."""
     return kept_setup(engine.vllm_config)
 
@@ -192,13 +192,13 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
 
 
 def _patch_model_runner_init(module: ModuleType) -> None:
-    def draft_model_proposer(stock: type, setup: RetrievalSetup) -> type:
+    def draft_model_proposer(stock: type, setup: EngineSetup) -> type:
         from vllm_specextend.drafters.v1_draft_model import SpecExtendDraftModelProposer
 
         patch_cpu_rejection_sampler()
         return SpecExtendDraftModelProposer
 
-    def eagle_proposer(stock: type, setup: RetrievalSetup) -> type:
+    def eagle_proposer(stock: type, setup: EngineSetup) -> type:
         from vllm_specextend.drafters.v1_eagle import SpecExtendEagleProposer
 
         patch_cpu_rejection_sampler()
@@ -237,7 +237,7 @@ def _keep_planned_drafts(stock: Callable) -> Callable:
 
 
 def _patch_model_runner_v2_init(module: ModuleType) -> None:
-    def speculator_factory(stock: Callable, setup: RetrievalSetup) -> Callable:
+    def speculator_factory(stock: Callable, setup: EngineSetup) -> Callable:
         if setup.method == "draft_model":
             from vllm_specextend.drafters.mrv2_draft_model import (
                 SpecExtendStandaloneARSpeculator as speculator,
@@ -259,7 +259,7 @@ def _patch_model_runner_v2_init(module: ModuleType) -> None:
 
 def _swap_while_runner_is_built(
     module: ModuleType,
-    replacements: dict[str, Callable[[Any, RetrievalSetup], Any]],
+    replacements: dict[str, Callable[[Any, EngineSetup], Any]],
     after_init: Callable[[Any], None] | None = None,
 ) -> None:
     """While a ``module.GPUModelRunner`` with ``spec_extend`` is built, each

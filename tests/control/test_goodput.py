@@ -171,7 +171,7 @@ def test_hysteresis_keeps_a_row_on_its_side_of_the_threshold():
 
 
 def test_acceptance_estimates_follow_each_position():
-    estimates = AcceptanceEstimates(max_requests=2, num_positions=K, smoothing=0.5, prior=0.5)
+    estimates = AcceptanceEstimates(max_num_reqs=2, num_positions=K, smoothing=0.5, prior=0.5)
     for _ in range(10):
         # Row 0 always accepts the first draft and rejects the second.
         estimates.observe(np.array([0]), np.array([K]), np.array([1]))
@@ -246,7 +246,7 @@ class SimulatedEngine:
 
 
 def test_a_request_whose_drafts_are_never_accepted_pauses_and_resumes_after_probing():
-    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
+    controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K, free_pause=True,
                                    parameters=ControlParameters(probe_interval=8))
     engine = SimulatedEngine(controller, {"good": 1.0, "bad": 0.0})
     for _ in range(40):
@@ -270,7 +270,7 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
     # slower than a 3-token one). Paused, the request is probed with one
     # draft; a cost per draft forward, fitted on those probes, would price
     # two drafts at 0.38 s and never resume.
-    controller = GoodputController(max_requests=2, num_speculative_tokens=2, free_pause=True,
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=2, free_pause=True,
                                    parameters=ControlParameters(probe_interval=8))
     engine = SimulatedEngine(controller, {"r": 0.0}, step_seconds={0: 0.121, 1: 0.25, 2: 0.2})
     for _ in range(60):
@@ -286,7 +286,7 @@ def test_a_resumed_request_drafts_the_number_of_steps_that_pays_even_if_fewer_do
 
 def test_requests_arriving_after_failed_probes_start_with_their_back_off():
     # No exploration steps: probes alone decide when a paused request drafts.
-    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
+    controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K, free_pause=True,
                                    parameters=ControlParameters(probe_interval=8,
                                                                 explore_interval=10_000))
     engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0})
@@ -326,7 +326,7 @@ def test_probes_and_their_catch_up_cost_at_most_the_probe_budget():
     paused_step = 0.05 + 4 * 0.005
 
     def run(probe_budget, steps=600):
-        controller = GoodputController(max_requests=4, num_speculative_tokens=K,
+        controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K,
                                        free_pause=True,
                                        parameters=ControlParameters(probe_budget=probe_budget))
         engine = SimulatedEngine(controller, {r: 0.0 for r in "abcd"}, catch_up=0.0045)
@@ -365,7 +365,7 @@ def test_a_paused_request_at_batch_1_is_probed_within_its_budget():
     # cannot split the base from a token's cost and puts half the step on
     # each: a verified token looks like 30 ms. Priced at that, the first
     # probe's catch-up (8 tokens) needed about 220 paused steps of budget.
-    controller = GoodputController(max_requests=1, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=1, num_speculative_tokens=K, free_pause=True)
     engine = SimulatedEngine(controller, {"r": 0.0}, step=0.056, per_token=0.004,
                              draft_step=0.024, catch_up=0.0005)
     for _ in range(20):  # the draft's first guesses fail: it pauses
@@ -392,7 +392,7 @@ def test_a_request_whose_draft_lacks_its_prompt_is_probed_with_all_of_it():
     # while its drafts would agree. A probe catching up only recent tokens
     # would read a draft without the prompt: "b" is probed once its budget
     # covers all of its gap, and it catches all of it up.
-    controller = GoodputController(max_requests=2, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True)
     engine = SimulatedEngine(controller, {"a": 0.0}, step=0.056, per_token=0.004,
                              draft_step=0.024, catch_up=0.0005)
     for _ in range(100):
@@ -417,7 +417,7 @@ def test_one_slow_step_does_not_price_a_number_of_draft_steps_out():
     # Batch 1: paused steps 80 ms, two draft steps 150 ms (taught twice),
     # then one two-step step takes 400 ms (a host hiccup, under the stall
     # filter's 4x). It is learnt as 1.5x its prediction at most.
-    controller = GoodputController(max_requests=1, num_speculative_tokens=2, free_pause=True)
+    controller = GoodputController(max_num_reqs=1, num_speculative_tokens=2, free_pause=True)
     one = np.ones(1, dtype=np.int64)
     now, context = 0.0, 1000
 
@@ -442,7 +442,7 @@ def test_one_slow_step_does_not_price_a_number_of_draft_steps_out():
 
 
 def test_drafting_stops_when_it_does_not_pay_for_anybody():
-    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K, free_pause=True)
     # Drafts are never accepted and a draft step costs as much as the
     # target's: the target alone is faster.
     engine = SimulatedEngine(controller, {"a": 0.0, "b": 0.0}, draft_step=0.05)
@@ -512,7 +512,7 @@ def test_a_draft_cost_learnt_long_ago_is_not_forgotten_nor_its_step_dropped_as_a
     # After the warm-up the engine pauses for hundreds of steps; what the
     # warm-up taught must hold, and a drafting step must be learnt from even
     # when it costs many times what the model predicted.
-    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
     rows = {r: 1.0 for r in "abcdefgh"}
     engine = SimulatedEngine(controller, rows, draft_step=0.3)
     paused_step = 0.05 + 8 * 0.005
@@ -536,7 +536,7 @@ def test_a_step_of_a_kind_not_seen_lately_is_learnt_from_not_dropped_as_a_stall(
     # A hundred paused steps of 0.09 s, then the first step with three draft
     # forwards, 1 s: many times the prediction, but a cost to learn (an
     # engine whose warm-up ran in prefills never saw one), not a stall.
-    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
     req_ids = list("abcdefgh")
     ones = np.ones(len(req_ids), dtype=np.int64)
     now = 0.0
@@ -559,7 +559,7 @@ def test_a_prompt_skips_the_draft_only_where_a_new_request_would_not_draft(draft
                                                                           drafts_prompt):
     # Sure drafts; a draft forward costs three paused steps (never pays) or
     # a fiftieth of one (pays at full K).
-    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
     rows = {r: 1.0 for r in "abcd"}
     engine = SimulatedEngine(controller, rows, draft_step=draft_step)
     for _ in range(100):
@@ -583,7 +583,7 @@ def test_prompts_nobody_would_draft_for_reach_the_draft_within_the_prompt_budget
     # Drafting never pays, so prompts skip the draft; but a few, within 2%
     # of the paused time, go through it: their requests can probe, and the
     # engine learns if drafting pays again.
-    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
     engine = SimulatedEngine(controller, {r: 1.0 for r in "abcd"}, draft_step=0.3,
                              catch_up=0.005)
     for _ in range(100):
@@ -611,7 +611,7 @@ def test_a_prompt_is_not_run_through_the_draft_for_a_number_of_draft_steps_never
     # prices them per draft step as K's (not as free, which would have the
     # choice try each once on the whole batch); untimed, they are still no
     # reason to pay a prompt's draft prefill.
-    controller = GoodputController(max_requests=8, num_speculative_tokens=K, free_pause=True)
+    controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
     for step in range(20):
         tokens = 2 + step % 7
         controller.cost.observe(step_features(tokens, 0, K), 0.05 + 0.005 * tokens)

@@ -25,8 +25,8 @@ simulation never learns the cost: "bad" keeps pausing).
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from tests.control.test_goodput import K, SimulatedEngine
 from vllm_specextend.control.goodput import (
@@ -96,7 +96,7 @@ def test_which_goodput_steps_reach_the_graphs_stock_vllm_replays():
 def test_the_engine_says_which_steps_are_full_graphs(mode_name, expected):
     from vllm.config import CUDAGraphMode
 
-    from vllm_specextend.retrieval.engine_options import full_decode_graph_query_len
+    from vllm_specextend.common.engine_setup import full_decode_graph_query_len
 
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode_name]),
@@ -154,7 +154,7 @@ class GraphEngine(SimulatedEngine):
 
 @pytest.mark.parametrize("piecewise, bad_drafts", [(0.0, 0), (0.08, K)])
 def test_the_controller_learns_what_leaving_the_graphs_costs(piecewise, bad_drafts):
-    controller = GoodputController(max_requests=4, num_speculative_tokens=K, free_pause=True,
+    controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K, free_pause=True,
                                    parameters=ControlParameters(probe_interval=8),
                                    full_graph_query_len=1 + K)
     engine = GraphEngine(controller, {"good": 1.0, "bad": 0.0}, piecewise)
@@ -185,9 +185,9 @@ def test_the_controller_reads_the_graph_mode_vllm_settled_on(
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from tests.drafters.test_adapter_host_syncs import StockProposer, runner_for
-    from tests.retrieval.test_engine_options import engine_config
+    from tests.common.test_engine_setup import engine_config
+    from vllm_specextend.common.engine_setup import resolve_setup
     from vllm_specextend.drafters.v1_overrides import V1Overrides
-    from vllm_specextend.retrieval.engine_options import resolve_setup
 
     class Stock(StockProposer):
         def __init__(self, vllm_config, device, runner=None):

@@ -15,7 +15,7 @@ class ScriptedControl:
     the given drafts and catch-up limits and verifies one token per request."""
 
     def __init__(self):
-        self.control = SpeculationControl(max_requests=2, num_speculative_tokens=K,
+        self.control = SpeculationControl(max_num_reqs=2, num_speculative_tokens=K,
                                           free_pause=True)
         self.context = np.array([0, 0])
         self.step({"a": 0, "b": 0}, query=100)  # prefill: the forward runs
@@ -78,7 +78,7 @@ class BlockScript:
     requests drafting catch up all of their gap, the others none."""
 
     def __init__(self):
-        self.control = SpeculationControl(max_requests=4, num_speculative_tokens=K,
+        self.control = SpeculationControl(max_num_reqs=4, num_speculative_tokens=K,
                                           free_pause=True, defer_prompts=True)
         self.whole_catch_up = None
 

@@ -19,10 +19,10 @@ import torch
 from tests.core.test_host_syncs import ALLOWED
 from tests.drafters.fakes import FakeAttention
 from tests.host_sync_check import HostSyncCheck
+from vllm_specextend.common.engine_setup import SETUP_ATTRIBUTE, EngineSetup
+from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.control.goodput import DraftPlan
-from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.drafters.v1_overrides import V1Overrides
-from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, RetrievalSetup
 
 META = torch.device("meta")
 
@@ -137,7 +137,7 @@ def step_inputs(rows: dict[str, tuple[int, int]]) -> dict:
     )
 
 
-def runner_for(setup: RetrievalSetup):
+def runner_for(setup: EngineSetup):
     """The V1 runner's host state that the proposer reads."""
     block_table = np.arange(MAX_REQS * MAX_BLOCKS, dtype=np.int32).reshape(MAX_REQS, -1)
     input_batch = types.SimpleNamespace(
@@ -158,7 +158,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
                               recent_tokens=64, chunk_size=32, top_k_chunks=2,
                               retrieval_interval=2, speculation_control="goodput")
     compact = draft_window < MAX_MODEL_LEN
-    setup = RetrievalSetup(config=config, method=method, draft_window=draft_window,
+    setup = EngineSetup(config=config, method=method, draft_window=draft_window,
                            num_speculative_tokens=K, compact_positions=compact,
                            steps_in_flight=2)
     proposer = Proposer(None, META, runner_for(setup))
@@ -281,7 +281,7 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
     )
 
     from tests.drafters.test_mrv2_draft_model import STREAMING, input_batch
-    from tests.retrieval.test_engine_options import capped_draft, engine_config
+    from tests.common.test_engine_setup import capped_draft, engine_config
     from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,

@@ -25,18 +25,18 @@ from tests.drafters.test_adapter_host_syncs import (
     BLOCK_SIZE,
     DRAFT_LAYER,
     HIDDEN,
-    K,
     MAX_BLOCKS,
     MAX_MODEL_LEN,
     MAX_REQS,
     TARGET_LAYER,
+    K,
     StockProposer,
     runner_for,
 )
+from vllm_specextend.common.engine_setup import EngineSetup
+from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.control.goodput import DraftPlan
-from vllm_specextend.core.options import SpecExtendConfig
 from vllm_specextend.drafters.v1_overrides import V1Overrides
-from vllm_specextend.retrieval.engine_options import RetrievalSetup
 
 CPU = torch.device("cpu")
 RECENT_TOKENS = 64
@@ -66,7 +66,7 @@ def set_up() -> Proposer:
     config = SpecExtendConfig(mode="cmr", min_context_tokens=1024, sink_tokens=16,
                               recent_tokens=RECENT_TOKENS, chunk_size=32, top_k_chunks=2,
                               retrieval_interval=1, speculation_control="goodput")
-    setup = RetrievalSetup(config=config, method="draft_model", draft_window=MAX_MODEL_LEN,
+    setup = EngineSetup(config=config, method="draft_model", draft_window=MAX_MODEL_LEN,
                            num_speculative_tokens=K, compact_positions=False,
                            steps_in_flight=2)
     proposer = Proposer(None, CPU, runner_for(setup))

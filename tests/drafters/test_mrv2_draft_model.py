@@ -11,8 +11,8 @@ import torch
 
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.engine_utils import run_engine
-from tests.retrieval.test_engine_options import capped_draft, engine_config
-from vllm_specextend.core.selection import rewrite_block_table
+from tests.common.test_engine_setup import capped_draft, engine_config
+from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
 BLOCK_SIZE = 32
@@ -43,7 +43,7 @@ def test_default_gpu_setup_runs_retrieval_in_the_v1_runner(target_model, draft_m
 
 
 def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
-    from vllm_specextend.retrieval.engine_options import resolve_setup
+    from vllm_specextend.common.engine_setup import resolve_setup
 
     ours = engine_config(target_model, draft_model, spec_extend={})
     capped = engine_config(target_model, spec_extend={},
@@ -248,7 +248,7 @@ def test_compact_positions_shift_each_token_by_its_row(target_model, draft_model
         StandaloneARSpeculator,
     )
 
-    from tests.retrieval.test_engine_options import capped_draft
+    from tests.common.test_engine_setup import capped_draft
     from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,

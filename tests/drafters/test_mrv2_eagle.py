@@ -13,8 +13,8 @@ import torch
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.drafters.test_mrv2_draft_model import BLOCK_SIZE, simulate_gpu
 from tests.engine_utils import run_engine
-from tests.retrieval.test_engine_options import engine_config
-from vllm_specextend.core.selection import rewrite_block_table
+from tests.common.test_engine_setup import engine_config
+from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
 MAX_MODEL_LEN = 4096
@@ -305,7 +305,7 @@ def test_cuda_graphs_see_the_compacted_buffers(speculator):
 
 
 def test_heads_in_model_runner_v2_get_our_speculators(target_model, monkeypatch):
-    from tests.retrieval.test_engine_options import eagle_config
+    from tests.common.test_engine_setup import eagle_config
     from tests.tiny_models import TARGET_QWEN2, build_mtp_target
     from vllm_specextend import patches
     from vllm_specextend.drafters.mrv2_eagle import SpecExtendEagleSpeculator

@@ -22,8 +22,8 @@ from tests.drafters.test_mrv2_eagle import (
     prepare_prefill_inputs,
     update_draft_inputs,
 )
-from tests.retrieval.test_engine_options import engine_config
-from vllm_specextend.core.selection import rewrite_block_table
+from tests.common.test_engine_setup import engine_config
+from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
 BLOCK_SIZE = 32
@@ -288,7 +288,7 @@ def test_k0_steps_plan_nothing_and_dummy_tables_hold_no_stale_blocks(target_mode
 
 def test_layers_that_bypass_the_kv_update_are_refused_at_load(target_model, draft_model,
                                                               monkeypatch):
-    from vllm_specextend.core.options import SpecExtendConfigError
+    from vllm_specextend.common.options import SpecExtendConfigError
 
     spec = build("draft_model", target_model, draft_model, monkeypatch)
     fused = FakeAttention()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.drafters.fakes import FakeAttention
-from tests.retrieval.test_engine_options import engine_config
+from tests.common.test_engine_setup import engine_config
 from tests.tiny_models import TARGET_LLAMA, build_model
 
 K = 3
@@ -96,7 +96,7 @@ def proposer_for(method: str, target_model):
     from vllm.platforms import current_platform
 
     from tests.eagle_heads import build_eagle_head
-    from vllm_specextend.retrieval.engine_options import SETUP_ATTRIBUTE, kept_setup
+    from vllm_specextend.common.engine_setup import SETUP_ATTRIBUTE, kept_setup
 
     draft = target_model if method == "draft_model" else build_eagle_head(TARGET_LLAMA, method)
     config = engine_config(

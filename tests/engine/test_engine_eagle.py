@@ -11,6 +11,7 @@ call for the whole batch.
 
 import pytest
 
+from tests.eagle_heads import build_eagle_head, build_trained_eagle_head
 from tests.engine_utils import (
     DRAFT_READS,
     SMALL_CACHE,
@@ -24,7 +25,6 @@ from tests.engine_utils import (
     spec_decode_counters,
     watch_draft_positions,
 )
-from tests.eagle_heads import build_eagle_head, build_trained_eagle_head
 from tests.tiny_models import (
     TARGET_LLAMA,
     TARGET_QWEN2,

@@ -2,8 +2,8 @@
 
 import torch
 
-from vllm_specextend.core.target_tap import TargetAttentionTap
 from vllm_specextend.retrieval.layer_hooks import install_tap
+from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
 
 def make_tap(num_slots=16, max_tokens=8):

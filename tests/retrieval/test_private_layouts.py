@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from tests.core.test_repositioning import HEAD_DIM, KV_HEADS, FakePagedLayer
-from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.planner import PlanningBatch, PrivateLayouts, RetrievalPlanner
-from vllm_specextend.core.repositioning import (
+from vllm_specextend.common.options import SpecExtendConfig
+from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
+from vllm_specextend.retrieval.owner import DraftRetrieval
+from vllm_specextend.retrieval.planner import PrivateLayouts, RetrievalPlanner
+from vllm_specextend.retrieval.repositioning import (
     RotaryLayout,
     rotate_keys,
     rotation_angles,
     working_cache_slots,
 )
-from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
-from vllm_specextend.retrieval.owner import DraftRetrieval
 
 K, BLOCK, WINDOW = 3, 16, 256
 DOCUMENT_BLOCKS, OWN_BLOCKS, NUM_BLOCKS = 40, 8, 64

@@ -16,13 +16,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm_specextend.core.repositioning import (
-    RotaryLayout,
-    rotate_keys,
-    rotate_keys_into,
-    rotation_angles,
-    working_cache_slots,
-)
 from vllm_specextend.retrieval.draft_kv_copy import (
     WORKSPACE_WINDOWS,
     DraftKVCopy,
@@ -31,6 +24,13 @@ from vllm_specextend.retrieval.draft_kv_copy import (
     repositioning_capacity,
 )
 from vllm_specextend.retrieval.owner import DraftRetrieval
+from vllm_specextend.retrieval.repositioning import (
+    RotaryLayout,
+    rotate_keys,
+    rotate_keys_into,
+    rotation_angles,
+    working_cache_slots,
+)
 
 KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 2, 32, 16, 128
 MAX_ROWS, BLOCKS_PER_ROW = 24, 16
@@ -170,8 +170,8 @@ def test_a_row_longer_than_the_workspace_is_laid_out_in_several_passes():
 def test_workspace_is_allocated_at_model_load_before_the_kv_cache(target_model, draft_model):
     """Allocated in ``attach`` (load_model), before vLLM profiles free memory;
     the plain draft KV copy made at KV cache set-up writes through it."""
-    from tests.retrieval.test_engine_options import capped_draft, engine_config
-    from vllm_specextend.retrieval.engine_options import resolve_setup
+    from tests.common.test_engine_setup import capped_draft, engine_config
+    from vllm_specextend.common.engine_setup import resolve_setup
 
     config = engine_config(target_model, spec_extend={},
                            speculative_config=capped_draft(1024)(draft_model))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specextend.control.kernel_args import flags, ints
-from vllm_specextend.core.compiled import compiled
+from vllm_specextend.common.compiled import compiled
+from vllm_specextend.common.kernel_args import flags, ints
 
 PROBE_SMOOTHING = 0.5
 """EWMA weight of a probe's outcome (a drafting request's outcomes weigh
@@ -21,13 +21,13 @@ class AcceptanceEstimates:
     """Per request slot and draft position: the EWMA of "accepted, given every
     earlier position was". New requests start from the engine-wide estimate."""
 
-    def __init__(self, max_requests: int, num_positions: int, smoothing: float = 0.2,
+    def __init__(self, max_num_reqs: int, num_positions: int, smoothing: float = 0.2,
                  prior: float = 0.7, probe_smoothing: float = PROBE_SMOOTHING) -> None:
         self.smoothing = smoothing
         self.probe_smoothing = probe_smoothing
         self.engine_rates = np.full(num_positions, prior)
-        self.rates = np.full((max_requests, num_positions), prior)
-        self._survival = np.empty((max_requests, num_positions))
+        self.rates = np.full((max_num_reqs, num_positions), prior)
+        self._survival = np.empty((max_num_reqs, num_positions))
         """Scratch for :func:`survival_rows` (rows first)."""
         warm_up_acceptance()
 

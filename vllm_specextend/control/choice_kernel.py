@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_specextend.common.compiled import compiled
 from vllm_specextend.control.cost_model import fixed_seconds
-from vllm_specextend.core.compiled import compiled
 
 PAIRWISE_FROM = 8
 """numpy sums this many contiguous numbers or more pairwise."""

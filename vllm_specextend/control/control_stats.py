@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_specextend.core.counters import DeviceHistogram
+from vllm_specextend.common.histograms import DeviceHistogram
 
 PAUSED_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 

@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from vllm_specextend.core.compiled import compiled
+from vllm_specextend.common.compiled import compiled
 
 
 def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_specextend.common.kernel_args import flags, floats
 from vllm_specextend.control.choice_kernel import choose_step_lengths
 from vllm_specextend.control.cost_model import StepCostModel
-from vllm_specextend.control.kernel_args import flags, floats
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_specextend.common.kernel_args import flags, floats
 from vllm_specextend.control.draft_lengths import DraftPlan
-from vllm_specextend.control.kernel_args import flags, floats
 from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, catch_up_prices
 
 __all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specextend.core.compiled import compiled
+from vllm_specextend.common.compiled import compiled
 
 
 @compiled

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_specextend.common.kernel_args import flags, floats, ints
+from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.choice_kernel import warm_up_choice
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features, warm_up_cost_model
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
-from vllm_specextend.control.kernel_args import flags, floats, ints
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
@@ -52,7 +53,6 @@ from vllm_specextend.control.plan_kernels import (
     step_rows,
     warm_up_plan_kernels,
 )
-from vllm_specextend.core.request_slots import RequestSlots
 
 __all__ = [
     "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "WARM_UP_PLANS", "AcceptanceEstimates",
@@ -78,7 +78,7 @@ class GoodputController(ForcedDrafts):
 
     def __init__(
         self,
-        max_requests: int,
+        max_num_reqs: int,
         num_speculative_tokens: int,
         free_pause: bool,
         parameters: ControlParameters = ControlParameters(),
@@ -101,32 +101,32 @@ class GoodputController(ForcedDrafts):
         warm_up_cost_model()
         p = parameters
         self.cost = self._cost_model()
-        self.acceptance = AcceptanceEstimates(max_requests, num_speculative_tokens,
+        self.acceptance = AcceptanceEstimates(max_num_reqs, num_speculative_tokens,
                                               smoothing=p.acceptance_smoothing,
                                               prior=p.acceptance_prior,
                                               probe_smoothing=p.probe_smoothing)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
-        self.requests = RequestSlots.shared_or_new(requests, max_requests)
+        self.requests = RequestSlots.shared_or_new(requests, max_num_reqs)
         self.requests.subscribe(arrived=self._admit, left=self._finish)
         # Per slot, between steps:
-        self._context_len = np.full(max_requests, -1, dtype=np.int64)
+        self._context_len = np.full(max_num_reqs, -1, dtype=np.int64)
         """Context length at the previous step (-1: not seen yet)."""
-        self._verified_drafts = np.zeros(max_requests, dtype=np.int64)
+        self._verified_drafts = np.zeros(max_num_reqs, dtype=np.int64)
         """Drafts the previous step verified (its query minus the last token);
         the next step's context tells how many were accepted."""
-        self._drafted = np.full(max_requests, -1, dtype=np.int64)
+        self._drafted = np.full(max_num_reqs, -1, dtype=np.int64)
         """Drafts planned at the previous step (-1: none planned)."""
-        self._probed = np.zeros(max_requests, dtype=bool)
+        self._probed = np.zeros(max_num_reqs, dtype=bool)
         """The previous plan's drafts were a probe."""
-        self._verified_probe = np.zeros(max_requests, dtype=bool)
+        self._verified_probe = np.zeros(max_num_reqs, dtype=bool)
         """The drafts the previous step verified were a probe."""
-        self._paused_steps = np.zeros(max_requests, dtype=np.int64)
+        self._paused_steps = np.zeros(max_num_reqs, dtype=np.int64)
         """Consecutive plans with no draft."""
-        self._probe_after = np.zeros(max_requests, dtype=np.int64)
+        self._probe_after = np.zeros(max_num_reqs, dtype=np.int64)
         """Paused plans before the next probe (doubles after each probe)."""
-        self._drafted_steps = np.zeros(max_requests, dtype=np.int64)
+        self._drafted_steps = np.zeros(max_num_reqs, dtype=np.int64)
         """Decode steps each request drafted in (its metrics)."""
-        self._paused_decode_steps = np.zeros(max_requests, dtype=np.int64)
+        self._paused_decode_steps = np.zeros(max_num_reqs, dtype=np.int64)
         """Decode steps it did not draft in."""
         self._verification = (self._context_len, self._verified_drafts,
                               self._verified_probe, self._probed)
@@ -141,12 +141,12 @@ class GoodputController(ForcedDrafts):
                           int(p.probe_interval), int(p.max_probe_backoff), float(p.hysteresis),
                           float(p.pause_margin), bool(free_pause))
         # Per row of a plan (its first rows), scratch:
-        self._row_flags = np.zeros((4, max_requests), dtype=bool)
+        self._row_flags = np.zeros((4, max_num_reqs), dtype=bool)
         """Verifying drafts, decoding after the step, drafted at the
         previous plan, probing."""
-        self._row_ints = np.zeros((3, max_requests), dtype=np.int64)
+        self._row_ints = np.zeros((3, max_num_reqs), dtype=np.int64)
         """Least catch-up, paused plans, probe back-off."""
-        self._row_seconds = np.zeros((2, max_requests))
+        self._row_seconds = np.zeros((2, max_num_reqs))
         """Forced-draft budget, resume seconds."""
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a

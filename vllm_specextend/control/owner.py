@@ -22,14 +22,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.common.request_slots import RequestSlots
+from vllm_specextend.common.staging import IndexStager
 from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
 from vllm_specextend.control.draft_lengths import PlannedDraftLengths
 from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
 from vllm_specextend.control.speculation_control import SpeculationControl
-from vllm_specextend.core.planner import PlanningBatch
-from vllm_specextend.core.request_slots import RequestSlots
-from vllm_specextend.core.staging import IndexStager
 from vllm_specextend.log import plugin_logger
 
 logger = plugin_logger(__name__)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_specextend.common.compiled import compiled
 from vllm_specextend.control.acceptance import observe_verified, survival_rows
 from vllm_specextend.control.choice_kernel import choose_step_lengths
 from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, step_seconds
-from vllm_specextend.core.compiled import compiled
 
 UNLIMITED = np.iinfo(np.int64).max
 """A catch-up limit that is none."""

@@ -32,6 +32,12 @@ import time
 
 import numpy as np
 
+from vllm_specextend.common.kernel_args import ints
+from vllm_specextend.common.request_slots import RequestSlots
+from vllm_specextend.control.draft_lengths import (
+    NO_PLANNED_DRAFT_LENGTHS,
+    PlannedDraftLengths,
+)
 from vllm_specextend.control.frontier_kernels import (
     advance_frontiers,
     block_ranges,
@@ -42,13 +48,7 @@ from vllm_specextend.control.frontier_kernels import (
     new_rows,
     warm_up_frontier_kernels,
 )
-from vllm_specextend.control.draft_lengths import (
-    NO_PLANNED_DRAFT_LENGTHS,
-    PlannedDraftLengths,
-)
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
-from vllm_specextend.control.kernel_args import ints
-from vllm_specextend.core.request_slots import RequestSlots
 
 
 class SpeculationControl:
@@ -58,7 +58,7 @@ class SpeculationControl:
 
     def __init__(
         self,
-        max_requests: int,
+        max_num_reqs: int,
         num_speculative_tokens: int,
         free_pause: bool,
         synced_lead: int = 1,
@@ -92,7 +92,7 @@ class SpeculationControl:
         warm_up_frontier_kernels()
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
-        self.controller = GoodputController(max_requests, num_speculative_tokens, free_pause,
+        self.controller = GoodputController(max_num_reqs, num_speculative_tokens, free_pause,
                                             full_graph_query_len=full_graph_query_len,
                                             requests=requests)
         self.controller.requests.subscribe(left=self._forget)
@@ -101,22 +101,22 @@ class SpeculationControl:
         self._limits: tuple[list[str], np.ndarray] | None = None
         """The last plan's requests and catch-up limits (None: no limits)."""
         # Per slot:
-        self._frontier = np.full(max_requests, -1, dtype=np.int64)
+        self._frontier = np.full(max_num_reqs, -1, dtype=np.int64)
         """Draft KV frontier: every position before it is right (-1: new)."""
-        self._synced = np.zeros(max_requests, dtype=bool)
+        self._synced = np.zeros(max_num_reqs, dtype=bool)
         """Whether the last forward wrote the request's verified tokens."""
-        self._deferred = np.zeros(max_requests, dtype=bool)
+        self._deferred = np.zeros(max_num_reqs, dtype=bool)
         """Requests whose draft prefill was deferred, until caught up (a probe
         catches up all of their gap: with holes in the prompt it would not
         measure the draft)."""
-        self._lagging = np.zeros(max_requests, dtype=bool)
+        self._lagging = np.zeros(max_num_reqs, dtype=bool)
         """Requests left behind their frontier by the last step: their
         blocks from the frontier's on (``_lag_table[slot, _lag_start:_lag_end]``)
         turn stale when they leave behind; a prefix hit on them meanwhile is
         stale too."""
-        self._lag_table = np.zeros((max_requests, 0), dtype=np.int64)
-        self._lag_start = np.zeros(max_requests, dtype=np.int64)
-        self._lag_end = np.zeros(max_requests, dtype=np.int64)
+        self._lag_table = np.zeros((max_num_reqs, 0), dtype=np.int64)
+        self._lag_start = np.zeros(max_num_reqs, dtype=np.int64)
+        self._lag_end = np.zeros(max_num_reqs, dtype=np.int64)
         self._blocks: tuple[np.ndarray, int] | None = None
         """This step's host block table rows and block size (None: not kept)."""
         self._stale_blocks: set[int] = set()
@@ -269,7 +269,7 @@ class SpeculationControl:
         return self._frontier[self.controller.slots(req_ids)]
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
-        """Each planned request's slot (``0 .. max_requests - 1``)."""
+        """Each planned request's slot (``0 .. max_num_reqs - 1``)."""
         return self.controller.slots(req_ids)
 
     def metrics_snapshot(self) -> dict[str, object]:

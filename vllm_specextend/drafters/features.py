@@ -7,8 +7,8 @@ features which requests arrived and which left."""
 
 from __future__ import annotations
 
+from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.owner import DraftControl
-from vllm_specextend.core.request_slots import RequestSlots
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 

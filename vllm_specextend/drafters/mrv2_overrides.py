@@ -43,12 +43,13 @@ from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from vllm_specextend.core.planner import DraftView, PlanningBatch
-from vllm_specextend.core.repositioning import token_rows
-from vllm_specextend.core.request_slots import RequestSlots
+from vllm_specextend.common.engine_setup import EngineSetup, kept_setup
+from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.drafters.features import DrafterFeatures
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, kept_setup
 from vllm_specextend.retrieval.owner import DraftRetrieval
+from vllm_specextend.retrieval.planner import DraftView
+from vllm_specextend.retrieval.repositioning import token_rows
 
 
 class Overlay:
@@ -69,7 +70,7 @@ class MRV2Overrides(DrafterFeatures):
         self,
         vllm_config: VllmConfig,
         device: torch.device,
-        setup: RetrievalSetup | None = None,
+        setup: EngineSetup | None = None,
     ):
         super().__init__(vllm_config, device)
         self.requests = RequestSlots(self.max_num_reqs)

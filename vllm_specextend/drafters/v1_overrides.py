@@ -34,17 +34,18 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from vllm_specextend.control.owner import DraftControl
-from vllm_specextend.core.planner import DraftView, PlanningBatch
-from vllm_specextend.core.repositioning import token_rows
-from vllm_specextend.core.request_slots import RequestSlots
-from vllm_specextend.drafters.features import DrafterFeatures
-from vllm_specextend.retrieval.engine_options import (
+from vllm_specextend.common.engine_setup import (
     SETUP_ATTRIBUTE,
     full_decode_graph_query_len,
     kept_setup,
 )
+from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.common.request_slots import RequestSlots
+from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.drafters.features import DrafterFeatures
 from vllm_specextend.retrieval.owner import DraftRetrieval
+from vllm_specextend.retrieval.planner import DraftView
+from vllm_specextend.retrieval.repositioning import token_rows
 
 
 class V1Overrides(DrafterFeatures):

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.core.repositioning import (
+from vllm_specextend.retrieval.layer_hooks import swap_impl_class
+from vllm_specextend.retrieval.repositioning import (
     RotaryLayout,
     rotate_keys,
     rotate_keys_into,
     rotation_angles,
     rotation_angles_into,
 )
-from vllm_specextend.retrieval.layer_hooks import swap_impl_class
 
 WORKSPACE_WINDOWS = 4
 """Draft windows the re-positioning workspace holds: rows re-selected in one

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_specextend.core.target_tap import TargetAttentionTap
+from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
 _SWAPPED_CLASSES: dict[tuple[str, type], type] = {}
 

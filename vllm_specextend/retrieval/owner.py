@@ -21,16 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.core.options import SpecExtendConfig
-from vllm_specextend.core.planner import (
-    DraftView,
-    PlanningBatch,
-    PrivateLayouts,
-    RetrievalPlanner,
-)
-from vllm_specextend.core.repositioning import RotaryLayout, working_cache_slots
-from vllm_specextend.core.request_slots import RequestSlots
-from vllm_specextend.core.target_tap import TargetAttentionTap
+from vllm_specextend.common.engine_checks import check_layers_write_kv_through_update
+from vllm_specextend.common.engine_setup import EngineSetup, private_layout_blocks
+from vllm_specextend.common.options import SpecExtendConfig
+from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import (
     DraftKVCopy,
@@ -38,14 +32,20 @@ from vllm_specextend.retrieval.draft_kv_copy import (
     install_draft_kv_copy,
     repositioning_capacity,
 )
-from vllm_specextend.retrieval.engine_checks import check_layers_write_kv_through_update
-from vllm_specextend.retrieval.engine_options import RetrievalSetup, private_layout_blocks
 from vllm_specextend.retrieval.layer_hooks import (
     kv_cache_group_of,
     last_target_layer,
     tap_bytes_per_token,
     tap_target_layer,
 )
+from vllm_specextend.retrieval.planner import (
+    DraftView,
+    PlanningBatch,
+    PrivateLayouts,
+    RetrievalPlanner,
+)
+from vllm_specextend.retrieval.repositioning import RotaryLayout, working_cache_slots
+from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
 logger = plugin_logger(__name__)
 
@@ -69,7 +69,7 @@ class DraftRetrieval:
 
     def __init__(
         self,
-        setup: RetrievalSetup,
+        setup: EngineSetup,
         *,
         max_num_reqs: int,
         max_model_len: int,

@@ -1,0 +1,66 @@
+"""The package's compiled loops are cached under a stamp of every module
+(``common/compiled.py``): numba checks a cached function against its own file
+only, while a caller's cache entry carries its callees' machine code."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import vllm_specextend
+from vllm_specextend.common.compiled import PackageStampedLocator, package_stamp
+from vllm_specextend.control import plan_kernels
+
+
+def test_every_module_is_in_the_stamp():
+    package = Path(vllm_specextend.__file__).parent
+    stamped = {path for path, _, _ in package_stamp()}
+    assert stamped == {str(p.relative_to(package)) for p in package.rglob("*.py")}
+    assert "control/choice_kernel.py" in stamped
+
+
+def test_a_kernel_calling_another_modules_kernel_is_stamped_with_the_package():
+    # plan_rows carries choice_kernel's choice: its own file's stamp would
+    # keep an edited choice's old code running from the cache.
+    locator = plan_kernels.plan_rows._cache._impl.locator
+    assert isinstance(locator, PackageStampedLocator)
+    own, package = locator.get_source_stamp()
+    assert package == package_stamp()
+    assert own == (Path(plan_kernels.__file__).stat().st_mtime,
+                   Path(plan_kernels.__file__).stat().st_size)
+
+
+STEPS_WITHOUT_COMPILING = """
+import sys
+import numpy as np
+from vllm_specextend.control.speculation_control import SpeculationControl
+
+def signatures():
+    return {f"{name}.{attr}": len(obj.signatures)
+            for name, module in list(sys.modules.items()) if name.startswith("vllm_specextend")
+            for attr, obj in vars(module).items()
+            if hasattr(obj, "py_func") and hasattr(obj, "signatures")}
+
+control = SpeculationControl(8, 3, free_pause=True, defer_prompts=True)
+before = signatures()
+table = np.arange(32, dtype=np.int32).reshape(4, 8)
+ids = ["a", "b", "c", "d"]
+context, prompt = np.array([0, 40, 40, 40]), np.full(4, 40)
+for step in range(6):
+    query = np.where(context < prompt, prompt - context, 1 + step % 2)
+    plan, runs = control.plan(ids, context, query, prompt, table, 16)
+    if runs:
+        control.catch_up_starts(ids, context, 64)
+    context = context + query
+    if step == 3:
+        ids[1], context[1] = "e", 0  # one leaves, one arrives
+after = signatures()
+assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+"""
+
+
+def test_steps_compile_nothing_after_construction():
+    # Goodput control warms up every loop it calls from Python when it is
+    # built: a step that compiles stalls serving (plan_rows once compiled
+    # for 1.8 s at the first step). A fresh process, so that no other test
+    # has compiled them first.
+    subprocess.run([sys.executable, "-c", STEPS_WITHOUT_COMPILING], check=True, timeout=600)
