@@ -31,7 +31,7 @@ def test_a_kernel_calling_another_modules_kernel_is_stamped_with_the_package():
 
 STEPS_WITHOUT_COMPILING = """
 import sys
-import numpy as np
+from benchmarks.control_decisions import cases, scenario
 from vllm_specextend.control.speculation_control import SpeculationControl
 
 def signatures():
@@ -40,27 +40,21 @@ def signatures():
             for attr, obj in vars(module).items()
             if hasattr(obj, "py_func") and hasattr(obj, "signatures")}
 
-control = SpeculationControl(8, 3, free_pause=True, defer_prompts=True)
+SpeculationControl(8, 3, free_pause=True, defer_prompts=True)
 before = signatures()
-table = np.arange(32, dtype=np.int32).reshape(4, 8)
-ids = ["a", "b", "c", "d"]
-context, prompt = np.array([0, 40, 40, 40]), np.full(4, 40)
-for step in range(6):
-    query = np.where(context < prompt, prompt - context, 1 + step % 2)
-    plan, runs = control.plan(ids, context, query, prompt, table, 16)
-    if runs:
-        control.catch_up_starts(ids, context, 64)
-    context = context + query
-    if step == 3:
-        ids[1], context[1] = "e", 0  # one leaves, one arrives
+# Simulated engines (benchmarks/control_decisions.py): batches 1 to 256, K
+# 1 to 10, heads and draft models, FULL graphs, block tables or none,
+# arrivals, departures, preemptions, catch-up budgets, probes, explorations.
+for case in cases(12):
+    scenario(**{**case, "steps": min(case["steps"], 200)})
 after = signatures()
 assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
 """
 
 
 def test_steps_compile_nothing_after_construction():
-    # Goodput control warms up every loop it calls from Python when it is
-    # built: a step that compiles stalls serving (plan_rows once compiled
-    # for 1.8 s at the first step). A fresh process, so that no other test
-    # has compiled them first.
+    # Goodput control compiles every loop it calls when it is built
+    # (control/warm_up.py): a step that compiles stalls serving (plan_rows
+    # once compiled for 1.8 s at the first step). A fresh process, so that
+    # no other test has compiled them first.
     subprocess.run([sys.executable, "-c", STEPS_WITHOUT_COMPILING], check=True, timeout=600)

@@ -144,8 +144,8 @@ def test_every_index_list_the_planner_hands_a_kernel_is_16_byte_aligned(
     compile a new variant mid-serving at the first step whose staged list
     started 8 bytes in (int64 lists back to back, the ones before it of odd
     total length). Every list is staged at a 16-byte boundary instead."""
-    from tests.core.test_planner import K, planning_batch
-    from tests.core.test_planner_kernels import OPTIONS, make_planner
+    from tests.retrieval.test_planner import K, planning_batch
+    from tests.retrieval.test_planner_kernels import OPTIONS, make_planner
 
     planner = make_planner(OPTIONS[options], torch.device("cpu"), kernels=True)
     kernel_launches.addresses.clear()  # the warm-up's own tensors

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.test_host_syncs import ALLOWED
+from tests.retrieval.test_host_syncs import ALLOWED
 from tests.drafters.fakes import FakeAttention
 from tests.host_sync_check import HostSyncCheck
 from vllm_specextend.common.engine_setup import SETUP_ATTRIBUTE, EngineSetup

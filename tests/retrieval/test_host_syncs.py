@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
+from tests.retrieval.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
 from tests.host_sync_check import HostSyncCheck, HostSyncError
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.retrieval.planner import PrivateLayouts, RetrievalPlanner

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.core.test_planner import BLOCK_SIZE, K, planning_batch, to_device
+from tests.retrieval.test_planner import BLOCK_SIZE, K, planning_batch, to_device
 from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace
@@ -183,7 +183,7 @@ def kernel_results(device: torch.device) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    return interpreted_results("tests.core.test_needles",
+    return interpreted_results("tests.retrieval.test_needles",
                                tmp_path_factory.mktemp("triton-interpreter") / "needles.pt")
 
 

@@ -27,7 +27,7 @@ import sys
 import pytest
 import torch
 
-from tests.core.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
+from tests.retrieval.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
 from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace
@@ -116,7 +116,7 @@ def run(options: dict, device: torch.device, kernels: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    return interpreted_results("tests.core.test_planner_kernels", tmp_path_factory.mktemp("triton-interpreter")
+    return interpreted_results("tests.retrieval.test_planner_kernels", tmp_path_factory.mktemp("triton-interpreter")
                                / "planner.pt")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.test_repositioning import HEAD_DIM, KV_HEADS, FakePagedLayer
+from tests.retrieval.test_repositioning import HEAD_DIM, KV_HEADS, FakePagedLayer
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy

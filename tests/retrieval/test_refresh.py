@@ -3,7 +3,7 @@ under its current selection drops (host lengths only; no engine)."""
 
 import pytest
 
-from tests.core.test_planner import K, planning_batch, streaming_planner
+from tests.retrieval.test_planner import K, planning_batch, streaming_planner
 from vllm_specextend.common.options import SpecExtendConfig, SpecExtendConfigError
 from vllm_specextend.retrieval.refresh import AcceptanceTrend
 

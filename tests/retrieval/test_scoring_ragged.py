@@ -10,7 +10,7 @@ drafts (the last token before the query's end), padding query rows, a
 chunk of two granules, and a batch scored in row groups.
 
 Without a GPU the kernels run under Triton's interpreter in one worker
-process (``python -m tests.core.test_scoring_ragged``; see
+process (``python -m tests.retrieval.test_scoring_ragged``; see
 test_scoring_triton.py); with CUDA the same cases run on the device too.
 Fixed inputs (seed 0), small enough for the interpreter.
 """
@@ -179,7 +179,7 @@ def as_output(case: Case, inputs: dict, sums: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    return interpreted_results("tests.core.test_scoring_ragged",
+    return interpreted_results("tests.retrieval.test_scoring_ragged",
                                tmp_path_factory.mktemp("triton-interpreter") / "ragged.pt")
 
 

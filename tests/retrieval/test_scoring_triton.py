@@ -6,7 +6,7 @@ permuted block tables, ragged and very short contexts, padding rows, GQA
 bf16, and a batch scored in row groups.
 
 Without a GPU the kernel runs under Triton's interpreter in ONE worker
-process (``python -m tests.core.test_scoring_triton``): TRITON_INTERPRET=1
+process (``python -m tests.retrieval.test_scoring_triton``): TRITON_INTERPRET=1
 only takes effect when set before triton is first imported, and setting it
 in this process would turn every other Triton kernel of the test run
 (vLLM's included) into interpreted ones. With CUDA the same cases run here,
@@ -134,7 +134,7 @@ def dense_sums(case: Case, inputs: dict) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Every case's kernel sums from one interpreter worker process."""
-    return interpreted_results("tests.core.test_scoring_triton", tmp_path_factory.mktemp("triton-interpreter")
+    return interpreted_results("tests.retrieval.test_scoring_triton", tmp_path_factory.mktemp("triton-interpreter")
                                / "sums.pt", SEED)
 
 

@@ -47,7 +47,7 @@ def tensor_parallel_step(k_context: torch.Tensor, q: torch.Tensor):
     """One verification step of two rows (K + 1 tokens each, ending at
     ``TP_SEQ_LENS``) over keys ``k_context``, every query token ``q[row]``:
     the planning batch, its slot mapping, the flat queries and keys."""
-    from tests.core.test_planner import planning_batch
+    from tests.retrieval.test_planner import planning_batch
 
     seq_lens = torch.tensor(TP_SEQ_LENS)
     batch = planning_batch(["a", "b"], [TP_K + 1] * 2, (seq_lens - TP_K - 1).tolist(),

@@ -7,7 +7,7 @@ long enough that both kernels take several loop steps (more than
 ``CHUNKS_PER_STEP`` chunks, more than ``BLOCKS_PER_STEP`` blocks).
 
 Without a GPU the kernels run under Triton's interpreter in one worker
-process (``python -m tests.core.test_selection_triton``; TRITON_INTERPRET=1
+process (``python -m tests.retrieval.test_selection_triton``; TRITON_INTERPRET=1
 must be set before triton is imported, see test_scoring_triton.py); with
 CUDA the same rows run on the device too. The seed is fresh per run and
 named in each failure (SPECEXTEND_TEST_SEED=N repeats one).
@@ -81,7 +81,7 @@ def run_case(case: dict, use_kernel: bool, device: torch.device) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> list[dict]:
-    return interpreted_results("tests.core.test_selection_triton", tmp_path_factory.mktemp("triton-interpreter")
+    return interpreted_results("tests.retrieval.test_selection_triton", tmp_path_factory.mktemp("triton-interpreter")
                                / "selection.pt", SEED)
 
 

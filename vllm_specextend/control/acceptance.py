@@ -9,6 +9,7 @@ import numpy as np
 
 from vllm_specextend.common.compiled import compiled
 from vllm_specextend.common.kernel_args import flags, ints
+from vllm_specextend.control.kernel_state import Estimates
 
 PROBE_SMOOTHING = 0.5
 """EWMA weight of a probe's outcome (a drafting request's outcomes weigh
@@ -29,7 +30,6 @@ class AcceptanceEstimates:
         self.rates = np.full((max_num_reqs, num_positions), prior)
         self._survival = np.empty((max_num_reqs, num_positions))
         """Scratch for :func:`survival_rows` (rows first)."""
-        warm_up_acceptance()
 
     def start(self, slot: int) -> None:
         self.rates[slot] = self.engine_rates
@@ -45,12 +45,11 @@ class AcceptanceEstimates:
                           ints(accepted), _NO_FLAGS if probed is None else flags(probed),
                           float(self.smoothing), float(self.probe_smoothing))
 
-    def kernel_args(self) -> tuple:
+    def kernel_args(self) -> Estimates:
         """What a compiled caller of :func:`observe_verified` and
-        :func:`survival_rows` passes: ``(rates, engine rates, smoothing,
-        probe smoothing, survival scratch)``."""
-        return (self.rates, self.engine_rates, float(self.smoothing),
-                float(self.probe_smoothing), self._survival)
+        :func:`survival_rows` passes."""
+        return Estimates(self.rates, self.engine_rates, float(self.smoothing),
+                         float(self.probe_smoothing), self._survival)
 
 
 @compiled
@@ -85,29 +84,29 @@ def _observe_outcomes(rates, engine_rates, slots, drafted, accepted, probed, smo
 
 
 @compiled
-def observe_verified(rates, engine_rates, slots, context_lens, query_lens, decoding,
-                     last_context, verified_drafts, verified_probe, probed, smoothing,
-                     probe_smoothing):
-    """A step of the controller's batch: per slot, ``verified_drafts``
-    drafts were verified at ``last_context`` (-1: none seen), the context
-    gained since is the accepted ones + 1 (``verified_probe``: they were a
-    probe). Then the step's own: ``context_lens``, the drafts its query
-    verifies (``decoding`` rows' ``query_lens - 1``) and whether they were a
-    probe (``probed``)."""
+def observe_verified(estimates, step, verifying, requests):
+    """A step of the controller's batch (``step``, a ``StepRows``): per slot
+    (``requests``, a ``RequestState``), ``verified_drafts`` drafts were
+    verified at ``context_len`` (-1: none seen), the context gained since is
+    the accepted ones + 1 (``verified_probe``: they were a probe). Then the
+    step's own: its context, the drafts its query verifies (``verifying``
+    rows' query - 1) and whether they were a probe (``probed``)."""
+    rates = estimates.rates
     tried = np.zeros(rates.shape[1], np.int64)
     hits = np.zeros(rates.shape[1])
-    probe_beta = max(probe_smoothing, smoothing)
-    for row in range(slots.shape[0]):
-        slot = slots[row]
-        last, drafted, context = last_context[slot], verified_drafts[slot], context_lens[row]
+    probe_beta = max(estimates.probe_smoothing, estimates.smoothing)
+    for row in range(step.slots.shape[0]):
+        slot = step.slots[row]
+        last, drafted = requests.context_len[slot], requests.verified_drafts[slot]
+        context = step.context_lens[row]
         if drafted > 0 and last >= 0 and context > last:
             accepted = min(max(context - last - 1, 0), drafted)
-            beta = probe_beta if verified_probe[slot] else smoothing
+            beta = probe_beta if requests.verified_probe[slot] else estimates.smoothing
             _observe_row(rates, slot, drafted, accepted, beta, tried, hits)
-        last_context[slot] = context
-        verified_drafts[slot] = query_lens[row] - 1 if decoding[row] else 0
-        verified_probe[slot] = probed[slot]
-    _observe_engine(engine_rates, tried, hits, smoothing)
+        requests.context_len[slot] = context
+        requests.verified_drafts[slot] = step.query_lens[row] - 1 if verifying[row] else 0
+        requests.verified_probe[slot] = requests.probed[slot]
+    _observe_engine(estimates.engine_rates, tried, hits, estimates.smoothing)
 
 
 @compiled
@@ -120,14 +119,3 @@ def survival_rows(rates, slots, out):
                 product * rates[slots[row], position])
             out[row, position] = product
     return out[:slots.shape[0]]
-
-
-def warm_up_acceptance() -> None:
-    """Compile (or load) the updates for the argument types used, so that
-    no step waits for them."""
-    estimates = np.full((1, 1), 0.5), np.full(1, 0.5)
-    ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
-    _observe_outcomes(*estimates, ints, ints, ints, flags, 0.2, 0.5)
-    observe_verified(*estimates, ints, ints, ints, flags, ints.copy(), ints.copy(),
-                      flags.copy(), flags, 0.2, 0.5)
-    survival_rows(estimates[0], ints, np.empty((1, 1)))

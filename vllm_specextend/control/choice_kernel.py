@@ -10,10 +10,12 @@ Every sum is the one numpy made before (the choice is bit for bit the same):
 a few positions left to right, and from 8 contiguous numbers on numpy's
 pairwise summation (:func:`pairwise_sum`). No fastmath, so nothing is
 reordered. Compiled once per process (``cache=True`` keeps the machine code
-on disk), at the controller's construction (:func:`warm_up_choice`).
+on disk), at the controller's construction (``control/warm_up.py``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +25,37 @@ from vllm_specextend.control.cost_model import fixed_seconds
 PAIRWISE_FROM = 8
 """numpy sums this many contiguous numbers or more pairwise."""
 _PAIRWISE_BLOCK = 128
+
+
+class StepPrices(NamedTuple):
+    """How a step's plans are priced: per number of draft steps ``D``, its
+    seconds before its tokens; per drafted token; and under FULL CUDA
+    graphs, the drafts per row that keep the step in them (-1: none) and
+    what leaving them costs."""
+
+    fixed: np.ndarray
+    per_token: float
+    uniform_length: int
+    piecewise_cost: float
+
+
+class ChoiceBatch(NamedTuple):
+    """What every plan of a choice reads (:func:`_batch`): the rows'
+    survival, weighted by their hysteresis ``scale``, by position; the
+    expected accepted drafts of a row drafting ``L`` with and without the
+    scale; their resumptions; the prices; scratch."""
+
+    survival: np.ndarray
+    weighted: np.ndarray
+    accepted_table: np.ndarray
+    scale: np.ndarray
+    resume: np.ndarray
+    resumes: bool
+    """Some row's resumption costs something (else its sums are skipped)."""
+    prices: StepPrices
+    position_buffer: np.ndarray
+    row_buffer: np.ndarray
+    weighted_table: np.ndarray
 
 
 @compiled
@@ -102,8 +135,8 @@ def _goodput(batch, positions, lengths, fixed, weighted):
     seconds besides its tokens, over ``positions`` draft positions;
     ``weighted``: accepted drafts divided by the rows' hysteresis scale.
     ``batch``: :func:`_batch`'s."""
-    (survival, _, accepted_table, scale, resume, resumes, per_token, uniform_length,
-     piecewise_cost, position_buffer, row_buffer, weighted_table) = batch
+    row_buffer, resume, resumes = batch.row_buffer, batch.resume, batch.resumes
+    uniform_length = batch.prices.uniform_length
     rows = lengths.shape[0]
     total, count, uniform = 0, 0, True
     for row in range(rows):
@@ -117,12 +150,13 @@ def _goodput(batch, positions, lengths, fixed, weighted):
         length = lengths[row]
         if positions < PAIRWISE_FROM:
             # (Its sum left to right, over the scale as numpy divided it.)
-            row_buffer[row] = (weighted_table if weighted else accepted_table)[row, length]
+            table = batch.weighted_table if weighted else batch.accepted_table
+            row_buffer[row] = table[row, length]
         else:
-            accepted = _accepted(survival, row, positions, length, position_buffer)
-            row_buffer[row] = accepted / scale[row] if weighted else accepted
-    return _plan_rate(fixed, per_token, total, resumes, resume_sum, uniform_length, uniform,
-                      piecewise_cost, pairwise_sum(row_buffer, rows), rows)
+            accepted = _accepted(batch.survival, row, positions, length, batch.position_buffer)
+            row_buffer[row] = accepted / batch.scale[row] if weighted else accepted
+    return _plan_rate(batch, fixed, total, resume_sum, uniform,
+                      pairwise_sum(row_buffer, rows), rows)
 
 
 @compiled
@@ -136,22 +170,23 @@ def _accepted(survival, row, positions, length, position_buffer):
 
 
 @compiled
-def _plan_rate(fixed, per_token, total, resumes, resume_sum, uniform_length, uniform,
-               piecewise_cost, accepted_sum, rows):
-    """A plan's expected tokens per second from its sums: ``total`` drafts,
-    the resumptions' seconds (with ``resumes``), whether every row drafts
-    the FULL graphs' length, the rows' accepted drafts."""
-    seconds = fixed + per_token * total
-    if resumes:
+def _plan_rate(batch, fixed, total, resume_sum, uniform, accepted_sum, rows):
+    """A plan's expected tokens per second from its sums: ``fixed`` seconds,
+    ``total`` drafts, the resumptions' seconds (when the batch's rows
+    resume at a cost), whether every row drafts the FULL graphs' length,
+    the rows' accepted drafts."""
+    prices = batch.prices
+    seconds = fixed + prices.per_token * total
+    if batch.resumes:
         seconds = seconds + resume_sum
-    if uniform_length >= 0:
-        seconds = seconds - (piecewise_cost if uniform else 0.0)
+    if prices.uniform_length >= 0:
+        seconds = seconds - (prices.piecewise_cost if uniform else 0.0)
     gained = rows + accepted_sum
     return gained / seconds if seconds > 0 else 0.0
 
 
 @compiled
-def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost):
+def _batch(survival, scale, resume, resumes, prices):
     """What every plan's price reads: ``survival`` weighted by ``scale``,
     the expected accepted drafts of a row drafting ``L`` (the sum of its
     first ``L`` survival probabilities, left to right) with and without
@@ -168,8 +203,8 @@ def _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewis
     for row in range(rows):
         for length in range(max_k + 1):
             weighted_table[row, length] = accepted_table[row, length] / scale[row]
-    return (survival, weighted, accepted_table, scale, resume, resumes, per_token,
-            uniform_length, piecewise_cost, np.empty(max_k), np.empty(rows), weighted_table)
+    return ChoiceBatch(survival, weighted, accepted_table, scale, resume, resumes, prices,
+                       np.empty(max_k), np.empty(rows), weighted_table)
 
 
 @compiled
@@ -182,8 +217,9 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
     plan in the same pass (the sums :func:`_goodput` makes, in its order).
     (Long as one round in one piece: the rows' loops share a dozen scratch
     arrays.)"""
-    (survival, weighted, _, scale, resume, resumes, per_token, uniform_length, piecewise_cost,
-     position_buffer, row_buffer, weighted_table) = batch
+    survival, weighted, scale, resume = batch.survival, batch.weighted, batch.scale, batch.resume
+    position_buffer, row_buffer, resumes = batch.position_buffer, batch.row_buffer, batch.resumes
+    per_token, uniform_length = batch.prices.per_token, batch.prices.uniform_length
     rows = weighted.shape[1]
     resume_buffer = np.empty(rows)
     chosen_rows, kept_rows, worth_rows = (np.empty(rows, np.int64), np.empty(rows, np.bool_),
@@ -231,15 +267,14 @@ def _solve(batch, positions, steps, fixed, must, has_must, lengths):
                 resuming += chosen > 0
             uniform &= chosen == uniform_length
             if positions < PAIRWISE_FROM:
-                row_buffer[row] = weighted_table[row, chosen]
+                row_buffer[row] = batch.weighted_table[row, chosen]
             else:
                 row_buffer[row] = _accepted(survival, row, positions, chosen,
                                             position_buffer) / scale[row]
         # The plan's price, as _goodput(batch, positions, lengths, fixed, True).
-        new = _plan_rate(fixed, per_token, total, resumes,
-                         pairwise_sum(resume_buffer, resuming) if resumes else 0.0,
-                         uniform_length, uniform, piecewise_cost, pairwise_sum(row_buffer, rows),
-                         rows)
+        new = _plan_rate(batch, fixed, total,
+                         pairwise_sum(resume_buffer, resuming) if resumes else 0.0, uniform,
+                         pairwise_sum(row_buffer, rows), rows)
         if abs(new - current) <= 1e-9 * max(new, 1.0):
             return current
         objective = new
@@ -272,24 +307,24 @@ def _any(values):
 
 
 @compiled
-def choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_steps, per_token,
-                   resume, must, uniform_length, piecewise_cost):
+def choose_lengths(survival, drafting, resume, must, prices, hysteresis, pause_margin,
+                   draft_steps):
     """``(draft lengths, draft steps, expected goodput)`` of the best plan
     over every number of draft steps ``D`` allowed (``draft_steps``; empty:
-    all; none but 0 when a row ``must`` draft: draft steps -1). A row that
-    ``must`` draft (a probe) drafts exactly one token: what it is priced at. ``fixed[D]``:
-    the step's seconds before its tokens; ``resume``: per row, what drafting
-    at all adds to them (empty or all 0: nothing); ``uniform_length`` (-1:
-    none): the drafts per row that keep the step in the FULL graphs; a plan
-    that drafts must beat pausing every row by ``pause_margin``. (Long
-    as the whole pick in one pass: solve each ``D``, weigh its plans, keep
-    the best.)"""
+    all; none but 0 when a row ``must`` draft: draft steps -1), priced by
+    ``prices`` (a :class:`StepPrices`). A row that ``must`` draft (a probe)
+    drafts exactly one token: what it is priced at. ``resume``: per row,
+    what drafting at all adds to the step (empty or all 0: nothing); a plan
+    that drafts must beat pausing every row by ``pause_margin``. (Long as
+    the whole pick in one pass: solve each ``D``, weigh its plans, keep the
+    best.)"""
     rows, max_k = survival.shape
     resumes, has_must = _any(resume), _any(must)
+    fixed = prices.fixed
     scale = np.empty(rows)
     for row in range(rows):
         scale[row] = (1.0 - hysteresis) if drafting[row] else (1.0 + hysteresis)
-    batch = _batch(survival, scale, resume, resumes, per_token, uniform_length, piecewise_cost)
+    batch = _batch(survival, scale, resume, resumes, prices)
     lengths = np.zeros(rows, np.int64)
     candidate = np.zeros(rows, np.int64)
     best = np.zeros(rows, np.int64)
@@ -299,7 +334,7 @@ def choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_st
             continue
         # numpy summed each D on its own positions from 8 positions on.
         positions = max_k if max_k < PAIRWISE_FROM else steps
-        if uniform_length == steps and rows:
+        if prices.uniform_length == steps and rows:
             # Every row drafting K keeps the step in the FULL graphs.
             candidate[:] = steps
             value = _goodput(batch, positions, candidate, fixed[steps], True)
@@ -332,30 +367,22 @@ def choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_st
 
 
 @compiled
-def choose_step_lengths(survival, drafting, weights, max_draft_steps, piecewise_step,
-                        num_requests, other_tokens, free_pause, hysteresis, pause_margin,
-                        draft_steps, resume, must, uniform_draft_length):
-    """:func:`choose_lengths` for a step of ``num_requests`` requests and
-    ``other_tokens`` prefill tokens, priced by the cost model's ``weights``
-    (``piecewise_step``: the model has that feature;
-    ``uniform_draft_length`` -1: no FULL graphs), as
+def choose_step_lengths(survival, drafting, resume, must, costs, settings, shape, draft_steps):
+    """:func:`choose_lengths` for a step of ``shape`` (a ``StepShape``),
+    priced by the cost model's ``costs`` (a ``StepCosts``) with the
+    controller's ``settings`` (a ``ChoiceSettings``), as
     :func:`~vllm_specextend.control.draft_lengths.choose_draft_lengths`
     documents."""
-    rows, max_k = survival.shape
-    graphs = uniform_draft_length >= 0 and piecewise_step
+    weights = costs.weights
+    max_k = survival.shape[1]
+    rows = survival.shape[0]
+    graphs = shape.uniform_draft_length >= 0 and costs.piecewise_step
     # Only a batch of decode rows can be a FULL graph's.
-    uniform = (uniform_draft_length if (graphs and other_tokens == 0 and rows == num_requests)
-               else -1)
-    fixed = fixed_seconds(weights, max_draft_steps, num_requests + other_tokens, max_k,
-                          free_pause, graphs)
-    piecewise_cost = weights[weights.shape[0] - 1] if piecewise_step else 0.0
-    return choose_lengths(survival, drafting, hysteresis, pause_margin, fixed, draft_steps,
-                          weights[1], resume, must, uniform, piecewise_cost)
-
-
-def warm_up_choice() -> None:
-    """Compile (or load) the choice for the argument types the controller
-    passes, so that no step waits for it."""
-    choose_step_lengths(np.ones((1, 1)), np.ones(1, dtype=bool), np.zeros(5), 1, True, 1, 0,
-                        True, 0.1, 0.1, np.zeros(0, dtype=bool), np.zeros(1), np.zeros(1, dtype=bool),
-                        -1)
+    uniform = (shape.uniform_draft_length
+               if (graphs and shape.other_tokens == 0 and rows == shape.num_requests) else -1)
+    fixed = fixed_seconds(weights, costs.max_draft_steps, shape.num_requests + shape.other_tokens,
+                          max_k, settings.free_pause, graphs)
+    piecewise_cost = weights[weights.shape[0] - 1] if costs.piecewise_step else 0.0
+    prices = StepPrices(fixed, weights[1], uniform, piecewise_cost)
+    return choose_lengths(survival, drafting, resume, must, prices, settings.hysteresis,
+                          settings.pause_margin, draft_steps)

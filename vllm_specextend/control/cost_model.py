@@ -14,6 +14,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from vllm_specextend.common.compiled import compiled
+from vllm_specextend.common.kernel_args import floats
+from vllm_specextend.control.kernel_state import StepCosts
 
 
 def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:
@@ -227,6 +229,12 @@ class StepCostModel:
                                 self.piecewise_step)
         self.observations += 1
 
+    def kernel_args(self, catch_up_timed: bool = False) -> StepCosts:
+        """What a compiled loop prices a step with (``catch_up_timed``: a
+        step with caught-up tokens was timed)."""
+        return StepCosts(floats(self.weights), int(self.max_draft_steps), bool(self.piecewise_step),
+                         bool(catch_up_timed))
+
     def knows(self, features: np.ndarray) -> bool:
         """Whether recent steps showed every feature ``features`` has (about
         one step's weight at least since forgetting)."""
@@ -259,12 +267,3 @@ class StepCostModel:
         """:func:`step_features` in this model's layout."""
         return step_features(verified_tokens, draft_steps, self.max_draft_steps,
                              catch_up_tokens, piecewise if self.piecewise_step else None)
-
-
-def warm_up_cost_model() -> None:
-    """Compile (or load) the prediction and the fit for the argument types
-    the controller passes."""
-    weights = np.zeros(NUM_LINEAR_FEATURES + 2)
-    step_seconds(weights, 1, 1, 1, 0, False)
-    fit_step(np.zeros((5, 5)), np.zeros(5), np.zeros(5, dtype=bool), weights, np.ones(5), 0.1,
-             0.98, 1e-6, False)

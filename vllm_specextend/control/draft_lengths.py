@@ -18,6 +18,7 @@ import numpy as np
 from vllm_specextend.common.kernel_args import flags, floats
 from vllm_specextend.control.choice_kernel import choose_step_lengths
 from vllm_specextend.control.cost_model import StepCostModel
+from vllm_specextend.control.kernel_state import ChoiceSettings, StepShape
 
 
 @dataclass(slots=True)
@@ -124,12 +125,13 @@ def choose_draft_lengths(
     pricing and the choice to the kernel.)
     """
     lengths, steps, goodput = choose_step_lengths(
-        floats(survival), flags(drafting), floats(cost.weights), cost.max_draft_steps,
-        cost.piecewise_step, num_requests, other_tokens, free_pause, float(hysteresis),
-        float(pause_margin), _NO_FLAGS if draft_steps is None else flags(draft_steps),
+        floats(survival), flags(drafting),
         _NO_SECONDS if resume_seconds is None else floats(resume_seconds),
-        _NO_FLAGS if must_draft is None else flags(must_draft),
-        -1 if uniform_draft_length is None else uniform_draft_length)
+        _NO_FLAGS if must_draft is None else flags(must_draft), cost.kernel_args(),
+        ChoiceSettings(float(hysteresis), float(pause_margin), bool(free_pause)),
+        StepShape(int(num_requests), int(other_tokens),
+                  -1 if uniform_draft_length is None else int(uniform_draft_length)),
+        _NO_FLAGS if draft_steps is None else flags(draft_steps))
     assert steps >= 0, "no number of draft steps to choose from"
     return DraftPlan(lengths, steps, goodput)
 

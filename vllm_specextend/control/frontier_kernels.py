@@ -3,8 +3,9 @@ compiled with numba (see ``choice_kernel.py``): a step's frontiers, its
 catch-up, the blocks left lagging or stale. Integers only, so every result
 is the numpy reference's exactly.
 
-Per-slot state arrays (``frontier``, ``synced``, ``deferred``, ``lagging``
-and the lag table) are :class:`SpeculationControl`'s, updated in place.
+Per-slot state (a ``FrontierState``: ``frontier``, ``synced``,
+``deferred``, ``lagging`` and the lag table) is :class:`SpeculationControl`'s,
+updated in place; a step's block table comes as a ``BlockTable``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def block_ranges(table, rows, first, end):
 
 
 @compiled
-def filled_blocks(table, slots, context_lens, frontier, synced, lead, size, start, stop):
+def filled_blocks(blocks, slots, context_lens, frontiers, lead, start, stop):
     """The blocks the last forward filled in rows ``start .. stop - 1``:
     from a synced row's frontier to its verified tokens (and ``lead`` more)."""
+    frontier, synced, size = frontiers.frontier, frontiers.synced, blocks.size
     rows = np.empty(stop - start, np.int64)
     first, end = np.empty_like(rows), np.empty_like(rows)
     count = 0
@@ -44,12 +46,13 @@ def filled_blocks(table, slots, context_lens, frontier, synced, lead, size, star
             rows[count], first[count] = row, frontier[slot] // size
             end[count] = (context_lens[row] + lead) // size
             count += 1
-    return block_ranges(table, rows[:count], first[:count], end[:count])
+    return block_ranges(blocks.table, rows[:count], first[:count], end[:count])
 
 
 @compiled
-def new_rows(slots, frontier, synced):
+def new_rows(slots, frontiers):
     """Rows whose request is new to the draft (not synced, no frontier yet)."""
+    frontier, synced = frontiers.frontier, frontiers.synced
     rows = np.empty(slots.shape[0], np.int64)
     count = 0
     for row in range(slots.shape[0]):
@@ -60,13 +63,13 @@ def new_rows(slots, frontier, synced):
 
 
 @compiled
-def advance_frontiers(slots, context_lens, prompt_lens, lead, new_starts, cap, frontier,
-                      synced, deferred):
+def advance_frontiers(slots, context_lens, prompt_lens, new_starts, frontiers, lead, cap):
     """Each request's frontier after the last step: a synced one's at its
     verified tokens (plus ``lead``), a new one's at ``new_starts`` (in row
     order), one preempted and recomputed at its context; a synced one is no
     longer deferred. Returns per row ``(frontier, gap to catch up (at most
     cap; -1: no cap), deferred)`` and whether a row is prefilling."""
+    frontier, synced, deferred = frontiers.frontier, frontiers.synced, frontiers.deferred
     rows = slots.shape[0]
     starts, gaps = np.empty(rows, np.int64), np.empty(rows, np.int64)
     whole = np.empty(rows, np.bool_)
@@ -91,12 +94,13 @@ def advance_frontiers(slots, context_lens, prompt_lens, lead, new_starts, cap, f
 
 
 @compiled
-def keep_lagging_blocks(slots, table, size, starts, seq_lens, limits, gaps, runs, lagging,
-                        lag_table, lag_start, lag_end):
+def keep_lagging_blocks(slots, blocks, starts, seq_lens, limits, gaps, runs, frontiers):
     """Per request behind its frontier (``starts``) after this step (its
     forward did not run, or its catch-up ``limits`` leave part of its
     ``gaps``; ``limits`` empty: none): its blocks from the frontier's on.
     Every other request is not lagging."""
+    lagging, lag_table = frontiers.lagging, frontiers.lag_table
+    table, size = blocks.table, blocks.size
     lagging[:] = False
     for row in range(slots.shape[0]):
         behind = starts[row] < seq_lens[row]
@@ -107,29 +111,30 @@ def keep_lagging_blocks(slots, table, size, starts, seq_lens, limits, gaps, runs
             lagging[slot] = True
             for column in range(table.shape[1]):
                 lag_table[slot, column] = table[row, column]
-            lag_start[slot] = starts[row] // size
-            lag_end[slot] = -(-seq_lens[row] // size)
+            frontiers.lag_start[slot] = starts[row] // size
+            frontiers.lag_end[slot] = -(-seq_lens[row] // size)
 
 
 @compiled
-def end_step(slots, runs, synced, keep_blocks, table, size, starts, context_lens, query_lens,
-             limits, gaps, lagging, lag_table, lag_start, lag_end):
+def end_step(slots, runs, frontiers, blocks, starts, seq_lens, limits, gaps):
     """After a plan: only the rows of a forward that runs are synced, and
-    with ``keep_blocks`` the lagging blocks are kept
-    (:func:`keep_lagging_blocks`, of each row's ``context + query``)."""
+    with block tables kept (``blocks`` has rows) the lagging blocks are kept
+    (:func:`keep_lagging_blocks`, of each row's ``seq_lens``: its context
+    and query)."""
+    synced = frontiers.synced
     synced[:] = False
     if runs:
         for slot in slots:
             synced[slot] = True
-    if keep_blocks:
-        keep_lagging_blocks(slots, table, size, starts, context_lens + query_lens, limits, gaps,
-                            runs, lagging, lag_table, lag_start, lag_end)
+    if blocks.table.shape[0]:
+        keep_lagging_blocks(slots, blocks, starts, seq_lens, limits, gaps, runs, frontiers)
 
 
 @compiled
-def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag_end):
+def forget(slots, frontiers):
     """Requests that left: returns the blocks of those left behind their
     frontier (lagging, not synced), and clears their state."""
+    lagging, synced = frontiers.lagging, frontiers.synced
     rows = np.empty(slots.shape[0], np.int64)
     count = 0
     for i in range(slots.shape[0]):
@@ -137,19 +142,22 @@ def forget(slots, frontier, synced, deferred, lagging, lag_table, lag_start, lag
             rows[count] = slots[i]
             count += 1
     rows = rows[:count]
-    blocks = block_ranges(lag_table, rows, lag_start[rows], lag_end[rows])
+    blocks = block_ranges(frontiers.lag_table, rows, frontiers.lag_start[rows],
+                          frontiers.lag_end[rows])
     for slot in slots:
-        frontier[slot] = -1
-        synced[slot], deferred[slot], lagging[slot] = False, False, False
+        frontiers.frontier[slot] = -1
+        synced[slot], frontiers.deferred[slot], lagging[slot] = False, False, False
     return blocks
 
 
 @compiled
-def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, table, size):
+def catch_up_rows(slots, context_lens, frontiers, cap, limits, budget, blocks):
     """What a first pass catches up per row (see
     ``SpeculationControl.catch_up_starts``): ``(starts, tokens, holes)``,
     ``tokens`` -1 when no row has a gap. Rows their ``limits`` leave behind
-    are no longer synced. ``limits``, ``table``: empty when none."""
+    are no longer synced. ``limits``, ``blocks``: empty when none."""
+    frontier, synced = frontiers.frontier, frontiers.synced
+    table, size = blocks.table, blocks.size
     rows = slots.shape[0]
     full, gaps = np.empty(rows, np.int64), np.empty(rows, np.int64)
     behind = np.zeros(rows, np.bool_)
@@ -183,21 +191,3 @@ def catch_up_rows(slots, context_lens, frontier, cap, limits, budget, synced, ta
     holes = block_ranges(table, cut, (context_lens[cut] - full[cut]) // size,
                          -(-(context_lens[cut] - gaps[cut]) // size))
     return context_lens - gaps, total, holes
-
-
-def warm_up_frontier_kernels() -> None:
-    """Compile (or load) the kernels speculation control calls, for the
-    argument types used (block tables of int32, as vLLM's host block table,
-    or int64); those called only from compiled code come with their callers."""
-    ints, flags = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
-    for dtype in (np.int32, np.int64):
-        table = np.zeros((1, 1), dtype=dtype)
-        block_ranges(table, ints, ints, ints)
-        filled_blocks(table, ints, ints, ints, flags, 1, 16, 0, 1)
-        catch_up_rows(ints, ints, ints, -1, ints, 8, flags.copy(), table, 16)
-        end_step(ints, True, flags.copy(), True, table, 16, ints, ints, ints, ints, ints,
-                 flags.copy(), np.zeros((1, 1), np.int64), ints.copy(), ints.copy())
-    new_rows(ints, ints, flags)
-    advance_frontiers(ints, ints, ints, 1, ints, -1, ints.copy(), flags.copy(), flags.copy())
-    forget(ints, ints.copy(), flags.copy(), flags.copy(), flags.copy(),
-           np.zeros((1, 1), np.int64), ints.copy(), ints.copy())

@@ -31,14 +31,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specextend.common.kernel_args import flags, floats, ints
+from vllm_specextend.common.kernel_args import flags, ints
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.acceptance import AcceptanceEstimates
-from vllm_specextend.control.choice_kernel import warm_up_choice
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
-from vllm_specextend.control.cost_model import StepCostModel, step_features, warm_up_cost_model
+from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
 from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
+from vllm_specextend.control.kernel_state import (
+    ChoiceSettings,
+    PlanSettings,
+    PlanShape,
+    RequestState,
+    RowScratch,
+    StepCosts,
+    StepRows,
+)
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
@@ -51,7 +59,6 @@ from vllm_specextend.control.plan_kernels import (
     settle_plan,
     start_requests,
     step_rows,
-    warm_up_plan_kernels,
 )
 
 __all__ = [
@@ -90,15 +97,12 @@ class GoodputController(ForcedDrafts):
         under vLLM's FULL decode graphs); None: no FULL graphs (until
         :meth:`set_full_graph_query_len`).
         ``requests``: the drafter's request slots, shared with its other
-        feature (None: its own). (Long for the docstrings of the per-slot
-        fields: it only assigns.)"""
+        feature (None: its own). (Long for the docstrings of its fields: it
+        only assigns.)"""
         self.num_speculative_tokens = num_speculative_tokens
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
         self.parameters = parameters
-        warm_up_choice()  # compiled (or loaded) now, not at the first step
-        warm_up_plan_kernels()
-        warm_up_cost_model()
         p = parameters
         self.cost = self._cost_model()
         self.acceptance = AcceptanceEstimates(max_num_reqs, num_speculative_tokens,
@@ -108,46 +112,14 @@ class GoodputController(ForcedDrafts):
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
         self.requests = RequestSlots.shared_or_new(requests, max_num_reqs)
         self.requests.subscribe(arrived=self._admit, left=self._finish)
-        # Per slot, between steps:
-        self._context_len = np.full(max_num_reqs, -1, dtype=np.int64)
-        """Context length at the previous step (-1: not seen yet)."""
-        self._verified_drafts = np.zeros(max_num_reqs, dtype=np.int64)
-        """Drafts the previous step verified (its query minus the last token);
-        the next step's context tells how many were accepted."""
-        self._drafted = np.full(max_num_reqs, -1, dtype=np.int64)
-        """Drafts planned at the previous step (-1: none planned)."""
-        self._probed = np.zeros(max_num_reqs, dtype=bool)
-        """The previous plan's drafts were a probe."""
-        self._verified_probe = np.zeros(max_num_reqs, dtype=bool)
-        """The drafts the previous step verified were a probe."""
-        self._paused_steps = np.zeros(max_num_reqs, dtype=np.int64)
-        """Consecutive plans with no draft."""
-        self._probe_after = np.zeros(max_num_reqs, dtype=np.int64)
-        """Paused plans before the next probe (doubles after each probe)."""
-        self._drafted_steps = np.zeros(max_num_reqs, dtype=np.int64)
-        """Decode steps each request drafted in (its metrics)."""
-        self._paused_decode_steps = np.zeros(max_num_reqs, dtype=np.int64)
-        """Decode steps it did not draft in."""
-        self._verification = (self._context_len, self._verified_drafts,
-                              self._verified_probe, self._probed)
-        """What ``step_rows`` learns the verified drafts from."""
-        self._forced_state = (self._paused_steps, self._probe_after, self._drafted_steps,
-                              self._paused_decode_steps)
-        """What ``forced_rows`` reads."""
-        self._plan_state = (self._drafted, self._probed, self._paused_steps, self._probe_after,
-                            self._drafted_steps, self._paused_decode_steps)
-        """What ``settle_plan`` updates."""
-        self._settings = (float(p.probe_budget), int(p.min_probe_catch_up),
-                          int(p.probe_interval), int(p.max_probe_backoff), float(p.hysteresis),
-                          float(p.pause_margin), bool(free_pause))
-        # Per row of a plan (its first rows), scratch:
-        self._row_flags = np.zeros((4, max_num_reqs), dtype=bool)
-        """Verifying drafts, decoding after the step, drafted at the
-        previous plan, probing."""
-        self._row_ints = np.zeros((3, max_num_reqs), dtype=np.int64)
-        """Least catch-up, paused plans, probe back-off."""
-        self._row_seconds = np.zeros((2, max_num_reqs))
-        """Forced-draft budget, resume seconds."""
+        self.state = RequestState.new(max_num_reqs)
+        """Each request's state between steps, by slot (``RequestState``)."""
+        self._scratch = RowScratch.new(max_num_reqs)
+        """Per row of a plan (its first rows): what the loops work out."""
+        self._settings = PlanSettings(
+            float(p.probe_budget), int(p.min_probe_catch_up), int(p.probe_interval),
+            int(p.max_probe_backoff),
+            ChoiceSettings(float(p.hysteresis), float(p.pause_margin), bool(free_pause)))
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would
@@ -192,11 +164,8 @@ class GoodputController(ForcedDrafts):
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
         """New requests start from the engine's acceptance estimates and the
         latest probe back-off."""
-        start_requests(new, self._arrival_probe_after, self._context_len,
-                       self._verified_drafts, self._drafted, self._probed,
-                       self._verified_probe, self._paused_steps, self._probe_after,
-                       self._drafted_steps, self._paused_decode_steps, self.acceptance.rates,
-                       self.acceptance.engine_rates)
+        start_requests(new, self._arrival_probe_after, self.state,
+                       self.acceptance.kernel_args())
 
     def observe(self, outcome: StepOutcome) -> None:
         """What the engine did with the last plan (its cost is learnt at the
@@ -225,49 +194,48 @@ class GoodputController(ForcedDrafts):
         up all of their gap, as one whose prompt the draft lacks: with holes
         there a probe would not measure the draft), observing the step just
         verified first. (Long as one step's sequence in order, each part a
-        method: split further, its dozen per-row arrays would pass through
-        every call.)"""
+        compiled call or a method.)"""
         p = self.parameters
         slots = self.admit(req_ids)
         num_requests = len(req_ids)
-        context_lens, query_lens = ints(context_lens), ints(query_lens)
         graph = self.full_graph_query_len
+        step = StepRows(
+            slots, ints(context_lens), ints(query_lens), ints(prompt_lens),
+            _NO_INTS if catch_up_gaps is None else ints(catch_up_gaps),
+            _NO_FLAGS if whole_catch_up is None or catch_up_gaps is None
+            else flags(whole_catch_up))
         estimates = self.acceptance.kernel_args()
+        scratch = self._scratch
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         tokens, other_tokens, prefilling, uniform = step_rows(
-            slots, context_lens, query_lens, ints(prompt_lens), -1 if graph is None else graph,
-            self._drafted, estimates, self._verification, self._row_flags)
+            step, -1 if graph is None else graph, self.state, estimates, scratch)
         if not (prefilling or self._last_prefilling):
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
             self._observe_cost(tokens, now, graph is not None and not uniform)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
-        gaps = _NO_INTS if catch_up_gaps is None else ints(catch_up_gaps)
-        whole = (_NO_FLAGS if whole_catch_up is None or catch_up_gaps is None
-                 else flags(whole_catch_up))
         exploring = self._exploration_due()
-        survival = estimates[-1][:num_requests]
+        survival = estimates.survival[:num_requests]
         lengths, steps, goodput, paused_step, some_decode, limits, counts = plan_rows(
-            slots, gaps, whole, self._forced_state, self._plan_state, survival,
-            self.cost.weights, self.cost.max_draft_steps, self.cost.piecewise_step, other_tokens,
-            self._catch_up_timed, self._settings, -1 if graph is None else graph - 1,
-            not exploring, self._row_flags, self._row_ints, self._row_seconds,
+            step, self.state, scratch, estimates, self._costs(), self._settings,
+            PlanShape(other_tokens, -1 if graph is None else graph - 1, not exploring),
             self.stats.chosen_lengths)
         plan = DraftPlan(lengths, steps, goodput)
         if exploring:
-            plan = self._explore(plan, self._row_flags[1, :num_requests],
-                                 self._row_seconds[0, :num_requests],
-                                 self._row_ints[0, :num_requests])
+            plan = self._explore(plan, scratch.decoding[:num_requests],
+                                 scratch.budget[:num_requests],
+                                 scratch.least_catch_up[:num_requests])
         elif some_decode:
             self._since_exploration += 1  # what _explore counts when it changes nothing
         if plan.draft_steps == 0:
             self._prompt_budget += p.probe_budget * paused_step
             if prefilling:
-                verifying, _, drafting = self._row_flags[:3, :num_requests]
-                resume = None if catch_up_gaps is None else self._row_seconds[1, :num_requests]
+                verifying = scratch.verifying[:num_requests]
+                drafting = scratch.drafting[:num_requests]
+                resume = None if catch_up_gaps is None else scratch.resume[:num_requests]
                 plan.draft_prefill = self._prompt_through_draft(
-                    survival, drafting, resume, ~verifying, query_lens, num_requests)
+                    survival, drafting, resume, ~verifying, step.query_lens, num_requests)
         if exploring:
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
         self._plans += 1
@@ -290,12 +258,12 @@ class GoodputController(ForcedDrafts):
         chosen: warm-up, exploration) what its budget buys beyond its
         drafts, and at least its least catch-up (only that until a catch-up
         was timed)."""
-        p = self.parameters
-        return settle_plan(
-            slots, ints(lengths), ints(chosen), self._row_flags, self._row_ints,
-            self._row_seconds, floats(self.cost.weights), self._catch_up_timed,
-            self._forced_catch_up_seconds(), self._plan_state, self.stats.chosen_lengths,
-            p.probe_interval, p.max_probe_backoff)
+        return settle_plan(slots, ints(lengths), ints(chosen), self._scratch, self._costs(),
+                           self.state, self.stats.chosen_lengths, self._settings)
+
+    def _costs(self) -> StepCosts:
+        """The step-cost model as the loops price a step with."""
+        return self.cost.kernel_args(self._catch_up_timed)
 
     def _noted(self, plan: DraftPlan, limits: np.ndarray, counts: tuple) -> DraftPlan:
         """The plan with its catch-up limits; the engine's counts."""
@@ -317,8 +285,7 @@ class GoodputController(ForcedDrafts):
     def _finish(self, req_ids: list[str], freed: np.ndarray) -> None:
         """Keep the paused share of requests that left, for the metrics."""
         stats = self.stats
-        stats.finished_paused_fractions += paused_fractions(
-            freed, self._drafted_steps, self._paused_decode_steps).tolist()
+        stats.finished_paused_fractions += paused_fractions(freed, self.state).tolist()
         if len(stats.finished_paused_fractions) > FOLD_AT:
             stats.fold()
 
@@ -328,8 +295,8 @@ class GoodputController(ForcedDrafts):
 
     def request_figures(self) -> dict[str, dict[str, int]]:
         """Per live request: decode steps drafted and paused."""
-        return {req_id: {"drafted_steps": int(self._drafted_steps[slot]),
-                         "paused_steps": int(self._paused_decode_steps[slot])}
+        return {req_id: {"drafted_steps": int(self.state.drafted_steps[slot]),
+                         "paused_steps": int(self.state.paused_decode_steps[slot])}
                 for req_id, slot in self.requests.items()}
 
     # ---- internals -------------------------------------------------------

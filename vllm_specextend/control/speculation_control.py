@@ -46,9 +46,11 @@ from vllm_specextend.control.frontier_kernels import (
     filled_blocks,
     forget,
     new_rows,
-    warm_up_frontier_kernels,
 )
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
+from vllm_specextend.control.kernel_state import BlockTable, FrontierState
+from vllm_specextend.control.parameters import ControlParameters
+from vllm_specextend.control.warm_up import warm_up_control
 
 
 class SpeculationControl:
@@ -66,6 +68,7 @@ class SpeculationControl:
         defer_prompts: bool = False,
         full_graph_query_len: int | None = None,
         requests: RequestSlots | None = None,
+        parameters: ControlParameters = ControlParameters(),
     ) -> None:
         """Args:
             free_pause: a step where nobody drafts skips the draft's forward.
@@ -82,17 +85,19 @@ class SpeculationControl:
                 what leaving them costs (``GoodputController``).
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
+            parameters: the controller's tuning.
 
-        (Long for the arguments' and per-slot fields' docs: it only assigns.)
+        (Long for the arguments' and fields' docs: it only assigns.)
         """
         self.free_pause = free_pause
         self.defer_prompts = defer_prompts and free_pause
         self.synced_lead = synced_lead
         self.max_catch_up = max_catch_up
-        warm_up_frontier_kernels()
+        warm_up_control()  # compiled (or loaded) now, not at the first step
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
         self.controller = GoodputController(max_num_reqs, num_speculative_tokens, free_pause,
+                                            parameters=parameters,
                                             full_graph_query_len=full_graph_query_len,
                                             requests=requests)
         self.controller.requests.subscribe(left=self._forget)
@@ -100,24 +105,14 @@ class SpeculationControl:
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._limits: tuple[list[str], np.ndarray] | None = None
         """The last plan's requests and catch-up limits (None: no limits)."""
-        # Per slot:
-        self._frontier = np.full(max_num_reqs, -1, dtype=np.int64)
-        """Draft KV frontier: every position before it is right (-1: new)."""
-        self._synced = np.zeros(max_num_reqs, dtype=bool)
-        """Whether the last forward wrote the request's verified tokens."""
-        self._deferred = np.zeros(max_num_reqs, dtype=bool)
-        """Requests whose draft prefill was deferred, until caught up (a probe
-        catches up all of their gap: with holes in the prompt it would not
-        measure the draft)."""
-        self._lagging = np.zeros(max_num_reqs, dtype=bool)
-        """Requests left behind their frontier by the last step: their
-        blocks from the frontier's on (``_lag_table[slot, _lag_start:_lag_end]``)
-        turn stale when they leave behind; a prefix hit on them meanwhile is
-        stale too."""
-        self._lag_table = np.zeros((max_num_reqs, 0), dtype=np.int64)
-        self._lag_start = np.zeros(max_num_reqs, dtype=np.int64)
-        self._lag_end = np.zeros(max_num_reqs, dtype=np.int64)
-        self._blocks: tuple[np.ndarray, int] | None = None
+        self.kv_state = FrontierState.new(max_num_reqs)
+        """Each request's draft KV frontier, by slot (``FrontierState``). A
+        deferred request (its draft prefill skipped) is probed with all of
+        its gap (with holes in the prompt a probe would not measure the
+        draft). A lagging one, left behind its frontier by the last step, has
+        its blocks from the frontier's on turn stale when it leaves behind; a
+        prefix hit on them meanwhile is stale too."""
+        self._blocks: BlockTable | None = None
         """This step's host block table rows and block size (None: not kept)."""
         self._stale_blocks: set[int] = set()
         """KV blocks whose draft KV lacks tokens the target wrote, left so by
@@ -138,7 +133,8 @@ class SpeculationControl:
         """This step's plan and whether the draft's forward runs
         (``block_table``: the rows' KV block ids on the host, to keep prefix
         cache hits on blocks without the draft's KV right; None: not kept)."""
-        self._blocks = None if block_table is None else (_table(block_table), block_size)
+        self._blocks = (None if block_table is None
+                        else BlockTable(_table(block_table), int(block_size)))
         slots = self.controller.admit(req_ids)
         now = self.clock()
         context_lens, query_lens = ints(context_lens), ints(query_lens)
@@ -155,7 +151,7 @@ class SpeculationControl:
         if prefilling and not runs:
             # A caught-up request would not draft now: its prompt waits.
             prefilling_rows = context_lens < prompt_lens
-            self._deferred[slots[prefilling_rows]] = True
+            self.kv_state.deferred[slots[prefilling_rows]] = True
             deferred_tokens = int(query_lens[prefilling_rows].sum())
         self.controller.observe(StepOutcome(
             draft_forwards=max(plan.draft_steps, 1) if runs else 0,
@@ -166,8 +162,7 @@ class SpeculationControl:
     def _forget(self, left: list[str], slots: np.ndarray) -> None:
         """Requests that left the batch: the blocks of one that left behind
         its frontier turn stale."""
-        stale = forget(slots, self._frontier, self._synced, self._deferred, self._lagging,
-                       self._lag_table, self._lag_start, self._lag_end)
+        stale = forget(slots, self.kv_state)
         if stale.size:
             self._stale_blocks.update(stale.tolist())
 
@@ -178,18 +173,17 @@ class SpeculationControl:
         per row its frontier, its gap (the verified tokens its draft KV
         lacks, for a head at most the positions kept) and whether its
         prompt was deferred, and whether a row is prefilling."""
-        new = new_rows(slots, self._frontier, self._synced)
+        new = new_rows(slots, self.kv_state)
         new_starts = np.empty(len(new), dtype=np.int64)
         if self._stale_blocks and self._blocks is not None:
             # The last forward wrote the verified tokens (and, for a draft
             # model, the token at ``context_len``): in row order, as a new
             # request's first stale block is looked up among them.
-            table, size = self._blocks
             start = 0
             for i, row in enumerate([*new.tolist(), len(slots)]):
                 self._stale_blocks.difference_update(filled_blocks(
-                    table, slots, context_lens, self._frontier, self._synced,
-                    self.synced_lead, size, start, row).tolist())
+                    self._blocks, slots, context_lens, self.kv_state, self.synced_lead, start,
+                    row).tolist())
                 if row < len(slots):
                     new_starts[i] = self._first_stale(row, int(context_lens[row]))
                 start = row
@@ -197,9 +191,8 @@ class SpeculationControl:
             for i, row in enumerate(new.tolist()):
                 new_starts[i] = self._first_stale(row, int(context_lens[row]))
         frontiers = advance_frontiers(
-            slots, context_lens, prompt_lens, self.synced_lead, new_starts,
-            -1 if self.max_catch_up is None else self.max_catch_up,
-            self._frontier, self._synced, self._deferred)
+            slots, context_lens, prompt_lens, new_starts, self.kv_state, self.synced_lead,
+            -1 if self.max_catch_up is None else self.max_catch_up)
         self._stale_blocks.update(self._holes)
         self._holes = []
         return frontiers
@@ -210,13 +203,14 @@ class SpeculationControl:
         or lagging in a live request) that its prefix cache hit holds."""
         if self._blocks is None or not context_len:
             return context_len
-        lagging = np.flatnonzero(self._lagging)
+        state = self.kv_state
+        lagging = np.flatnonzero(state.lagging)
         if not (self._stale_blocks or lagging.size):
             return context_len
         table, size = self._blocks
         stale = np.fromiter(self._stale_blocks, dtype=np.int64)
-        live = block_ranges(self._lag_table, lagging, self._lag_start[lagging],
-                            self._lag_end[lagging])
+        live = block_ranges(state.lag_table, lagging, state.lag_start[lagging],
+                            state.lag_end[lagging])
         hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)],
                                       np.concatenate([stale, live])))
         return int(hits[0]) * size if hits.size else context_len
@@ -230,12 +224,13 @@ class SpeculationControl:
         leave part of its ``gaps``): its blocks from the frontier's on (the
         others' are written by this step). One compiled call
         (:func:`~vllm_specextend.control.frontier_kernels.end_step`)."""
-        table, size = _NO_TABLE if self._blocks is None else self._blocks
-        if self._blocks is not None and self._lag_table.shape[1] != table.shape[1]:
-            self._lag_table = np.zeros((len(self._lagging), table.shape[1]), dtype=np.int64)
-        end_step(slots, runs, self._synced, self._blocks is not None, table, size, starts,
-                 context_lens, query_lens, _NO_LIMITS if limits is None else limits, gaps,
-                 self._lagging, self._lag_table, self._lag_start, self._lag_end)
+        blocks = _NO_TABLE if self._blocks is None else self._blocks
+        width = blocks.table.shape[1]
+        if self._blocks is not None and self.kv_state.lag_table.shape[1] != width:
+            self.kv_state = self.kv_state._replace(
+                lag_table=np.zeros((len(self.kv_state.lagging), width), dtype=np.int64))
+        end_step(slots, runs, self.kv_state, blocks, starts, context_lens + query_lens,
+                 _NO_LIMITS if limits is None else limits, gaps)
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
                         budget: int) -> np.ndarray | None:
@@ -253,11 +248,10 @@ class SpeculationControl:
             if req_ids != plan_ids:
                 limit_of = dict(zip(plan_ids, limits.tolist()))
                 limits = np.array([limit_of[r] for r in req_ids], dtype=np.int64)
-        table, size = _NO_TABLE if self._blocks is None else self._blocks
         starts, tokens, holes = catch_up_rows(
-            slots, ints(context_lens), self._frontier,
+            slots, ints(context_lens), self.kv_state,
             -1 if self.max_catch_up is None else self.max_catch_up, limits, budget,
-            self._synced, table, size)
+            _NO_TABLE if self._blocks is None else self._blocks)
         if tokens < 0:
             return None
         self._holes += holes.tolist()
@@ -266,7 +260,7 @@ class SpeculationControl:
 
     def frontiers(self, req_ids: list[str]) -> np.ndarray:
         """Per row, its draft KV frontier (every position before it is right)."""
-        return self._frontier[self.controller.slots(req_ids)]
+        return self.kv_state.frontier[self.controller.slots(req_ids)]
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Each planned request's slot (``0 .. max_num_reqs - 1``)."""
@@ -290,7 +284,7 @@ class SpeculationControl:
 
 
 _NO_LIMITS = np.zeros(0, dtype=np.int64)
-_NO_TABLE = (np.zeros((0, 0), dtype=np.int64), 1)
+_NO_TABLE = BlockTable(np.zeros((0, 0), dtype=np.int64), 1)
 
 
 def _table(block_table: np.ndarray) -> np.ndarray:
