@@ -1,6 +1,7 @@
 """Host syncs of goodput control's per-step device work on a GPU: the plan
 (kept hidden states of an EAGLE head) and the catch-up after paused steps
-(``DraftControl.plan`` and ``DraftControl.with_catch_up``), under
+(``DraftControl.plan``, ``DraftControl.catch_up`` and the V1 runner's inputs
+rewritten by ``drafters/v1_catch_up.py``), under
 ``torch.cuda.set_sync_debug_mode("warn")``. Needs torch only (no vLLM): the
 V1 attention metadata is a stand-in with the fields the catch-up reads and
 ``replace``. The steps are ``tests/drafters/test_adapter_host_syncs.py``'s:
@@ -25,6 +26,7 @@ from benchmarks.sync_sites import SyncSites
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.drafters.v1_catch_up import with_catch_up
 
 K, BLOCK_SIZE, MAX_REQS, MAX_BLOCKS, HIDDEN = 4, 16, 8, 256, 64
 REPO = Path(__file__).resolve().parent.parent
@@ -111,8 +113,9 @@ def run(device: torch.device) -> dict:
         with SyncSites(sites):
             steps = control.plan(batch, host_table[: batch.num_reqs], BLOCK_SIZE,
                                  kwargs["target_hidden_states"])
-            if steps is not None:
-                moved = control.with_catch_up(kwargs, batch, token_ids, BLOCK_SIZE)
+            catch_up = None if steps is None else control.catch_up(batch, token_ids)
+            if catch_up is not None:
+                moved = with_catch_up(kwargs, catch_up, BLOCK_SIZE)
                 caught_up += (moved["common_attn_metadata"].num_actual_tokens
                               - kwargs["common_attn_metadata"].num_actual_tokens)
     stats = controller.stats

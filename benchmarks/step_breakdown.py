@@ -80,7 +80,7 @@ def install_step_breakdown(worker) -> None:
     control = getattr(drafter, "control", None)
     if control is not None:
         timed(control, "plan", "control_plan")
-        timed(control, "with_catch_up", "catch_up")
+        timed(control, "catch_up", "catch_up")
     retrieval = getattr(drafter, "retrieval", None)
     if retrieval is not None:
         timed(retrieval, "plan", "retrieval_plan")

@@ -44,8 +44,14 @@ options every wrapper calls straight through.
   out llvmlite's FFI module, which numba loads for our compiled host loops
   and which the scan cannot read (below).
 
-Per-layer hooks (the tap, the plain draft KV copy) are instance-level and
-live with retrieval (``retrieval/layer_hooks.py``).
+Two swaps are on instances, not vLLM's classes, and stay beside what they
+hook, each naming the vLLM lines that force it: the attention impls of the
+tapped layers (``retrieval/layer_hooks.py``, ``swap_impl_class``: vLLM builds
+each layer's impl inside ``Attention.__init__`` with no per-layer hook), and
+the MRV2 head's CUDA-graph managers (``drafters/mrv2_target_dependent.py``:
+their capture and step-0 replay read buffers no parameter can replace).
+Both are installed on one engine's objects only, at model load or KV cache
+set-up; every class-level change is here.
 
 This module runs past 400 lines on purpose: every patch of vLLM lives in this
 one file, so that what SpecExtend changes in vLLM reads in one place.
@@ -206,9 +212,12 @@ def _patch_model_runner_init(module: ModuleType) -> None:
 
     def every_row_drafts(runner: Any) -> None:
         # vLLM switches drafting off for the whole batch when its longest
-        # request does not fit the draft's window; our proposer drafts every
-        # row inside the window (compact positions), so every row drafts.
-        # Set on this runner only (the class stays stock for other engines).
+        # request does not fit the draft's window
+        # (vllm/v1/worker/gpu_model_runner.py:4382, propose_draft_token_ids
+        # asks self._input_fits_in_drafter, defined at :4288, with no option
+        # to turn it off); our proposer drafts every row inside the window
+        # (compact positions), so every row drafts. Set on this runner only
+        # (the class stays stock for other engines).
         runner._input_fits_in_drafter = _every_row_drafts
 
     _swap_while_runner_is_built(
@@ -225,8 +234,9 @@ def _keep_planned_drafts(stock: Callable) -> Callable:
 
     def _get_draft_token_ids_cpu(self):
         draft_token_ids, req_ids = stock(self)
-        control = getattr(getattr(self, "drafter", None), "control", None)
-        lengths = None if control is None else control.draft_lengths
+        # Our adapters (drafters/features.py) answer; a stock drafter has none.
+        planned = getattr(getattr(self, "drafter", None), "planned_draft_lengths", None)
+        lengths = None if planned is None else planned()
         if lengths is None:
             return draft_token_ids, req_ids
         kept = lengths.rows(req_ids)
@@ -359,6 +369,12 @@ def _patch_worker_memory(module: ModuleType, class_name: str) -> None:
 
 
 def _add_worker_metrics_method() -> None:
+    """The worker's ``spec_extend_metrics``, for ``collective_rpc``: vLLM's
+    executors call a worker method by name (``getattr(self.worker, method)``,
+    vllm/v1/executor/multiproc_executor.py:1051; ``run_method``,
+    vllm/v1/serial_utils.py:501), and the front end can only name one that
+    every worker class has; a bytes-pickled function would need
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Added once, beside vLLM's own."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     from vllm_specextend.metrics import WORKER_METHOD, worker_metrics

@@ -32,7 +32,7 @@ def test_a_kernel_calling_another_modules_kernel_is_stamped_with_the_package():
 STEPS_WITHOUT_COMPILING = """
 import sys
 from benchmarks.control_decisions import cases, scenario
-from vllm_specextend.control.speculation_control import SpeculationControl
+from vllm_specextend.control.warm_up import warm_up_control
 
 def signatures():
     return {f"{name}.{attr}": len(obj.signatures)
@@ -40,7 +40,7 @@ def signatures():
             for attr, obj in vars(module).items()
             if hasattr(obj, "py_func") and hasattr(obj, "signatures")}
 
-SpeculationControl(8, 3, free_pause=True, defer_prompts=True)
+warm_up_control()  # as DraftControl, the engine's, is built
 before = signatures()
 # Simulated engines (benchmarks/control_decisions.py): batches 1 to 256, K
 # 1 to 10, heads and draft models, FULL graphs, block tables or none,
@@ -53,8 +53,8 @@ assert after == before, {k: (before.get(k), v) for k, v in after.items() if befo
 
 
 def test_steps_compile_nothing_after_construction():
-    # Goodput control compiles every loop it calls when it is built
-    # (control/warm_up.py): a step that compiles stalls serving (plan_rows
+    # Goodput control compiles every loop it calls when an engine's is built
+    # (control/warm_up.py, from DraftControl): a step that compiles stalls serving (plan_rows
     # once compiled for 1.8 s at the first step). A fresh process, so that
     # no other test has compiled them first.
     subprocess.run([sys.executable, "-c", STEPS_WITHOUT_COMPILING], check=True, timeout=600)

@@ -81,7 +81,7 @@ def _forward_log(worker) -> str:
 
 
 def _skip_catch_up(worker) -> None:
-    worker.model_runner.drafter.control.with_catch_up = lambda kwargs, *args: kwargs
+    worker.model_runner.drafter.control.catch_up = lambda *args: None
 
 
 def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, target_reference):

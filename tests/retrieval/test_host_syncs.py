@@ -22,7 +22,7 @@ META = torch.device("meta")
 
 ALLOWED = {
     # Set-up: buffers and constants made once, before serving.
-    "vllm_specextend.retrieval.counters:DeviceHistogram.__init__",
+    "vllm_specextend.common.histograms:DeviceHistogram.__init__",
     "vllm_specextend.retrieval.draft_kv_copy:DraftKVCopy.__init__",
     # Metrics pulls: read the device counters, outside the engine step
     # (goodput control's counters live on the host).

@@ -3,9 +3,11 @@
 in until it leaves the batch.
 
 One instance per drafter, shared by its features (retrieval's planner and
-goodput control): whichever sees a step's batch first updates it, and every
-feature is told which requests arrived and which left, whether or not it
-runs that step. Host-only bookkeeping, independent of vLLM. A batch that
+goodput control): the drafter adapter that owns it updates it with every
+step's batch, before either feature runs, and every feature is told which
+requests arrived and which left, whether or not it runs that step; the
+features only look their slots up (:meth:`RequestSlots.of_step`). A feature
+built without shared slots owns its own and updates them itself. Host-only bookkeeping, independent of vLLM. A batch that
 repeats the last one's requests (most steps) is answered from a cache, so a
 step costs a list comparison rather than a dictionary look-up per request;
 another looks up only the rows whose request changed, and finds departures
@@ -113,6 +115,11 @@ class RequestSlots:
                 self._id_of[slot] = req_id
             self._notify(self._on_arrival, new_ids, new_slots)
         return slots
+
+    def of_step(self, req_ids: list[str], owned: bool) -> np.ndarray:
+        """The step's slots, for a feature: :meth:`update` when it owns these
+        slots, else those its owner's update gave this batch."""
+        return self.update(req_ids) if owned else self.slots(req_ids)
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """The slots of live requests."""

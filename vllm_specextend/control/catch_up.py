@@ -13,6 +13,7 @@ writes through the target's slot mapping, which has none for them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,32 @@ class CatchUpLayout:
     """``[rows]``: how far each row's query tokens move (its gap and those of
     the rows before it): a query token's index in the first pass is its old
     index plus its row's shift."""
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A step's catch-up as the adapter puts it into its first pass: the
+    layout on the host, and what the device reads, staged."""
+
+    layout: CatchUpLayout
+    num_rows: int
+    num_tokens: int
+    """Query tokens of the step before the gaps go in."""
+    order: torch.Tensor
+    """``layout.order`` on the device."""
+    gap_positions: torch.Tensor
+    """Per gap token, its position (device)."""
+    gap_ids: torch.Tensor
+    """Per gap token, its token id (device)."""
+    gap_rows: torch.Tensor
+    """Per gap token, its row (device)."""
+    row_shift: torch.Tensor
+    """``layout.row_shift`` on the device."""
+    gap_hidden: torch.Tensor | None
+    """A head's kept target hidden states of the gap tokens (None: a draft
+    model)."""
+    stage: Callable[[np.ndarray], torch.Tensor]
+    """The step's staging, for what the adapter builds from the layout."""
 
 
 def catch_up_layout(query_lens: np.ndarray, starts: np.ndarray,

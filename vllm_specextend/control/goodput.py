@@ -111,6 +111,7 @@ class GoodputController(ForcedDrafts):
                                               probe_smoothing=p.probe_smoothing)
         self.stats = ControlStats(chosen_lengths=np.zeros(num_speculative_tokens + 1, np.int64))
         self.requests = RequestSlots.shared_or_new(requests, max_num_reqs)
+        self._owns_requests = requests is None
         self.requests.subscribe(arrived=self._admit, left=self._finish)
         self.state = RequestState.new(max_num_reqs)
         """Each request's state between steps, by slot (``RequestState``)."""
@@ -158,8 +159,9 @@ class GoodputController(ForcedDrafts):
     def admit(self, req_ids: list[str]) -> np.ndarray:
         """Each request's slot: ``req_ids`` is the step's batch, so requests
         not in it leave (:meth:`_finish`) and new ones take a slot
-        (:meth:`_admit`)."""
-        return self.requests.update(req_ids)
+        (:meth:`_admit`), when the drafter that shares these slots updated
+        them (or, when they are the controller's own, now)."""
+        return self.requests.of_step(req_ids, self._owns_requests)
 
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
         """New requests start from the engine's acceptance estimates and the

@@ -10,8 +10,9 @@ A drafter adapter (``drafters/``) holds a :class:`DraftControl` beside its
   ring of the target's recent hidden states, before vLLM measures memory;
 - every proposal: :meth:`~DraftControl.plan` (each request's drafts, and
   whether the draft's forward runs at all), then
-  :meth:`~DraftControl.with_catch_up` (the first pass's inputs with the
-  tokens verified while the draft's forward was skipped).
+  :meth:`~DraftControl.catch_up` (the tokens verified while the draft's
+  forward was skipped, staged for the first pass; the V1 adapter puts them
+  into the runner's inputs, ``drafters/v1_catch_up.py``).
 
 Control never calls back into the adapter: the adapter hands it the
 runner's host state it needs (block table, token ids) as arguments.
@@ -25,11 +26,12 @@ import torch
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.common.staging import IndexStager
-from vllm_specextend.control.catch_up import catch_up_layout, gap_slot_mapping
+from vllm_specextend.control.catch_up import CatchUp, catch_up_layout
 from vllm_specextend.control.draft_lengths import PlannedDraftLengths
 from vllm_specextend.control.goodput import MAX_PROBE_BACKOFF, PROBE_INTERVAL
 from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
 from vllm_specextend.control.speculation_control import SpeculationControl
+from vllm_specextend.control.warm_up import warm_up_control
 from vllm_specextend.log import plugin_logger
 
 logger = plugin_logger(__name__)
@@ -73,6 +75,7 @@ class DraftControl:
         self.paused_hidden: PausedHiddenStates | None = None
         """An EAGLE head's recent inputs, for its catch-up (model load)."""
         is_draft_model = method == "draft_model"
+        warm_up_control()  # compiled (or loaded) now, not at the first step
         self.speculation: SpeculationControl | None = SpeculationControl(
             max_num_reqs, num_speculative_tokens,
             # A draft model catches up from token ids; a head also needs
@@ -137,19 +140,19 @@ class DraftControl:
                                       target_hidden_states)
         return plan.draft_steps if runs else None
 
-    def with_catch_up(self, kwargs: dict, batch: PlanningBatch, token_ids_cpu: np.ndarray,
-                      block_size: int) -> dict:
-        """The V1 first pass's inputs (``propose``'s ``kwargs``) with, before
-        each request's query, the tokens verified while the draft's forward
-        was skipped (its KV frontier onwards; ids read from the runner's
-        ``token_ids_cpu``): like a longer prompt chunk, their draft KV is
-        written and the drafts follow the query as usual. A head also gets
-        their kept hidden states and KV slots, and samples from its rows'
-        moved last tokens. Unchanged without free pauses or gaps."""
+    def catch_up(self, batch: PlanningBatch, token_ids_cpu: np.ndarray) -> CatchUp | None:
+        """What this step's first pass catches up, staged on the device: per
+        row, the tokens verified while the draft's forward was skipped (its
+        KV frontier onwards; ids read from the runner's ``token_ids_cpu``),
+        to run before its query like a longer prompt chunk (their draft KV
+        is written, the drafts follow the query as usual); a head's also
+        with their kept hidden states. None without free pauses or gaps. The
+        runner's own inputs are the adapter's to rewrite
+        (``drafters/v1_catch_up.py``)."""
         control = self.speculation
         assert control is not None
         if not control.free_pause:
-            return kwargs
+            return None
         num_rows = len(batch.req_ids)
         context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
         query_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
@@ -157,53 +160,22 @@ class DraftControl:
         budget = self.max_num_tokens - num_tokens - 2 * num_rows
         starts = control.catch_up_starts(batch.req_ids, context_lens, budget)
         if starts is None:
-            return kwargs
+            return None
         layout = catch_up_layout(query_lens, starts, context_lens - starts)
         # Host-built arrays reach the device through pinned staging only (a
         # copy from pageable memory would block).
         stage = self._host_staging
-        order = stage(layout.order)
         gap_positions = stage(layout.gap_positions)
-        gap_ids = token_ids_cpu[layout.gap_rows, layout.gap_positions]
-        kwargs = dict(kwargs)
-        for key, gap_values in (("target_token_ids", stage(gap_ids)),
-                                ("target_positions", gap_positions)):
-            tokens = kwargs[key][:num_tokens]
-            kwargs[key] = torch.cat((tokens, gap_values.to(tokens.dtype)))[order]
-        kwargs["common_attn_metadata"] = self._catch_up_metadata(
-            kwargs["common_attn_metadata"], layout, order, gap_positions, num_rows, num_tokens,
-            block_size)
-        if kwargs.get("token_indices_to_sample") is not None:
-            shift = stage(layout.row_shift)
-            indices = kwargs["token_indices_to_sample"].clone()
-            indices[:num_rows] += shift.to(indices.dtype)
-            kwargs["token_indices_to_sample"] = indices
+        gap_hidden = None
         if self.paused_hidden is not None:
             gap_slots_of_requests = stage(control.slots(batch.req_ids)[layout.gap_rows])
-            hidden = kwargs["target_hidden_states"][:num_tokens]
             gap_hidden = self.paused_hidden.gather(gap_slots_of_requests, gap_positions)
-            kwargs["target_hidden_states"] = torch.cat((hidden, gap_hidden))[order]
-        return kwargs
-
-    def _catch_up_metadata(self, cad, layout, order: torch.Tensor, gap_positions: torch.Tensor,
-                           num_rows: int, num_tokens: int, block_size: int):
-        """The V1 attention metadata of the first pass with the gaps inserted."""
-        stage = self._host_staging
-        new_query_start = layout.query_start_loc
-        # Rows vLLM pads the batch with keep an empty query.
-        padding = cad.query_start_loc_cpu.shape[0] - (num_rows + 1)
-        query_start = np.concatenate((new_query_start, np.full(padding, new_query_start[-1])))
-        slot_mapping = cad.slot_mapping[:num_tokens]
-        gap_slots = gap_slot_mapping(cad.block_table_tensor, stage(layout.gap_rows),
-                                     gap_positions, block_size)
-        return cad.replace(
-            query_start_loc=stage(query_start).to(cad.query_start_loc.dtype),
-            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
-            num_actual_tokens=int(new_query_start[-1]),
-            max_query_len=int(np.diff(new_query_start).max()),
-            slot_mapping=torch.cat((slot_mapping, gap_slots.to(slot_mapping.dtype)))[order],
-            _num_computed_tokens_cache=None,
-        )
+        return CatchUp(
+            layout=layout, num_rows=num_rows, num_tokens=num_tokens, order=stage(layout.order),
+            gap_positions=gap_positions,
+            gap_ids=stage(token_ids_cpu[layout.gap_rows, layout.gap_positions]),
+            gap_rows=stage(layout.gap_rows), row_shift=stage(layout.row_shift),
+            gap_hidden=gap_hidden, stage=stage)
 
     # ---- the runner, the worker and the benchmarks ------------------------
 

@@ -50,7 +50,6 @@ from vllm_specextend.control.frontier_kernels import (
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
 from vllm_specextend.control.kernel_state import BlockTable, FrontierState
 from vllm_specextend.control.parameters import ControlParameters
-from vllm_specextend.control.warm_up import warm_up_control
 
 
 class SpeculationControl:
@@ -93,7 +92,6 @@ class SpeculationControl:
         self.defer_prompts = defer_prompts and free_pause
         self.synced_lead = synced_lead
         self.max_catch_up = max_catch_up
-        warm_up_control()  # compiled (or loaded) now, not at the first step
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
         self.controller = GoodputController(max_num_reqs, num_speculative_tokens, free_pause,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specextend.control.parameters import ControlParameters
+from vllm_specextend.control.speculation_control import SpeculationControl
 
 _WARMED = False
 
@@ -26,8 +27,6 @@ def warm_up_control() -> None:
     if _WARMED:
         return
     _WARMED = True
-    from vllm_specextend.control.speculation_control import SpeculationControl
-
     # Short intervals, so that probes and explorations come within the run.
     parameters = ControlParameters(probe_interval=2, explore_interval=6, probe_budget=1.0)
     for table_dtype in (np.int32, np.int64):

@@ -4,14 +4,16 @@ by side (``features.py``): an optional
 :class:`~vllm_specextend.retrieval.owner.DraftRetrieval` and an optional
 :class:`~vllm_specextend.control.owner.DraftControl`. The overrides only
 hand the runner's inputs to each feature and the retrieval's view to the
-draft's attention metadata.
+draft's attention metadata; they are the only code that writes the runner's
+state (the request slots both features share, the first pass's inputs).
 
 Naming: an adapter is ``SpecExtend`` + the vLLM class it subclasses
 (``SpecExtendDraftModelProposer`` subclasses ``DraftModelProposer``); a
 runner's mixin is ``<runner>Overrides``.
 
 - ``v1_overrides.py``: the V1 runner's mixin (``SpecDecodeBaseProposer``
-  overrides); ``v1_draft_model.py``: ``draft_model`` drafts;
+  overrides), with ``v1_catch_up.py`` (goodput control's catch-up in the
+  first pass's inputs); ``v1_draft_model.py``: ``draft_model`` drafts;
   ``v1_eagle.py``: EAGLE-1 / EAGLE-3 heads (and ``mtp``, which the V1
   runner also runs in ``EagleProposer``).
 - ``mrv2_overrides.py``: Model Runner V2's mixin (speculator overrides);

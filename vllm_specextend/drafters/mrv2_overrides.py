@@ -152,7 +152,9 @@ class MRV2Overrides(DrafterFeatures):
         # KV in sync): nothing to draft, nothing to plan.
         drafts = kwargs.get("num_speculative_tokens") != 0
         if not dummy_run and drafts:
-            view = self.retrieval.plan(self.planning_batch(input_batch, num_rejected))
+            batch = self.planning_batch(input_batch, num_rejected)
+            self.requests.update(batch.req_ids)  # the slots' one writer
+            view = self.retrieval.plan(batch)
         if self._compact_block_table is not None:
             self._activate(view)
         else:

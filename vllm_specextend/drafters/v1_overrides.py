@@ -10,10 +10,11 @@ control, a :class:`DraftControl`, and changes only this:
 - ``initialize_attn_backend`` binds it to the KV cache (tap, plain draft KV
   copy), and tells control which decode steps replay FULL CUDA graphs (vLLM
   has settled its graph mode by then);
-- ``propose`` asks control for each request's drafts (none: the draft's
-  forward is skipped), plans, per request, which KV blocks the draft keeps,
-  from the V1 attention metadata, and lets control put the tokens a skipped
-  forward left behind before each request's query;
+- ``propose`` updates the request slots both features share, asks control
+  for each request's drafts (none: the draft's forward is skipped), puts
+  the tokens a skipped forward left behind before each request's query
+  (``v1_catch_up.py``), and plans, per request, which KV blocks the draft
+  keeps, from the V1 attention metadata;
 - ``build_per_group_and_layer_attn_metadata`` hands the draft's attention a
   compacted block table and shortened ``seq_lens``;
 - with compact draft positions, ``_get_positions`` runs each compacted row at
@@ -43,6 +44,7 @@ from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.owner import DraftControl
 from vllm_specextend.drafters.features import DrafterFeatures
+from vllm_specextend.drafters.v1_catch_up import with_catch_up
 from vllm_specextend.retrieval.owner import DraftRetrieval
 from vllm_specextend.retrieval.planner import DraftView
 from vllm_specextend.retrieval.repositioning import token_rows
@@ -134,6 +136,8 @@ class V1Overrides(DrafterFeatures):
             token_indices_to_sample=kwargs.get("token_indices_to_sample"),
             target_positions=kwargs["target_positions"],
         )
+        # The request slots' one writer: both features look this step's up.
+        self.requests.update(batch.req_ids)
         controlled = self.control is not None and self.control.speculation is not None
         if controlled:
             block_table = self.runner.input_batch.block_table[self.kv_cache_gid]
@@ -147,11 +151,10 @@ class V1Overrides(DrafterFeatures):
             num_speculative_tokens = min(num_speculative_tokens, draft_steps)
             # Before retrieval plans: the catch-up runs as part of its rows'
             # queries, which the recent window is kept before.
-            target_pass = kwargs["common_attn_metadata"]
-            kwargs = self.control.with_catch_up(
-                kwargs, batch, self.runner.input_batch.token_ids_cpu, self.block_size)
-            first_pass = kwargs["common_attn_metadata"]
-            if first_pass is not target_pass:
+            catch_up = self.control.catch_up(batch, self.runner.input_batch.token_ids_cpu)
+            if catch_up is not None:
+                kwargs = with_catch_up(kwargs, catch_up, self.block_size)
+                first_pass = kwargs["common_attn_metadata"]
                 batch.draft_query_start_loc = first_pass.query_start_loc[: batch.num_reqs + 1]
         if self.retrieval is not None:
             self._draft_view = self.retrieval.plan(batch)

@@ -88,7 +88,8 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
             sum_over_ranks: sums per-chunk scores over tensor-parallel ranks,
                 each of which scores its own heads (None: one rank).
             requests: the drafter's request slots, shared with goodput
-                control (None: its own).
+                control and updated by the drafter each step (None: its own,
+                updated by :meth:`plan`).
         """
         self.config = config
         self.max_model_len = max_model_len
@@ -98,6 +99,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         self.device = device
         self.stats = RetrievalStats(max_num_reqs=max_num_reqs, device=device)
         super().__init__(RequestSlots.shared_or_new(requests, max_num_reqs))
+        self._owns_requests = requests is None
         self._max_num_reqs = max_num_reqs
         self._sum_over_ranks = sum_over_ranks
         self.tap: TargetAttentionTap | None = None
@@ -198,7 +200,7 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
 
     def plan(self, batch: PlanningBatch) -> DraftView | None:
         """The draft's view for this step, or None when every row sees all."""
-        slots = self.requests.update(batch.req_ids)
+        slots = self.requests.of_step(batch.req_ids, self._owns_requests)
         if not self.config.retrieves:
             self._forget_all()
             return None
