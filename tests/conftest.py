@@ -1,6 +1,29 @@
+import os
+
+# Under pytest-xdist (``scripts/run_tests.sh`` runs one worker per core),
+# each worker keeps to one core: vLLM's CPU worker would otherwise bind its
+# OpenMP threads to every core, and the spinning threads of one worker's
+# engine slow the other's. Set before torch starts its thread pool.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _XDIST_WORKER is not None:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                          str(_cores[int(_XDIST_WORKER.removeprefix("gw")) % len(_cores)]))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from tests.tiny_models import TARGET_LLAMA, build_model, build_noisy_copy
+
+LONG_MARKERS = ("engine", "interpreter")
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that start engines or run Triton's interpreter first (a
+    stable sort, so a module's tests stay together and in order): under
+    xdist a module runs in one worker, and a long one left for last would
+    run while the other workers sit idle."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in LONG_MARKERS))
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 from vllm_specextend.retrieval.planner import RetrievalPlanner
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
+pytestmark = pytest.mark.interpreter  # Triton's interpreter in a worker process
+
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 CHUNK = 32
 SINK, RECENT, TOP_K = 16, 64, 2

@@ -34,6 +34,8 @@ from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace
 from vllm_specextend.retrieval.planner import RetrievalPlanner
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
+pytestmark = pytest.mark.interpreter  # Triton's interpreter in a worker process
+
 OPTIONS = {
     "cmr": {"mode": "cmr"},
     "cmr-accepted-tokens": {"mode": "cmr", "score_aggregation": "accepted_tokens"},

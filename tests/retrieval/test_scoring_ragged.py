@@ -30,6 +30,8 @@ from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace, chunk_at
 from vllm_specextend.retrieval.kernels.scoring_triton import score_rows_triton, stage_work
 from vllm_specextend.retrieval.kernels.scoring_work import WorkLists
 
+pytestmark = pytest.mark.interpreter  # Triton's interpreter in a worker process
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 UNSCORED = 7.0
 """What the slots of rows not scored hold, before and after."""

@@ -40,6 +40,8 @@ from tests.dense_reference import attention_scores, context_keys
 from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.retrieval.kernels.scoring import ScoringWorkspace, chunk_attention_sums
 
+pytestmark = pytest.mark.interpreter  # Triton's interpreter in a worker process
+
 SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

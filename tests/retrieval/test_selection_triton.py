@@ -32,6 +32,8 @@ import torch
 from tests.triton_interpreter import DEVICES, interpreted_results
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table, select_blocks
 
+pytestmark = pytest.mark.interpreter  # Triton's interpreter in a worker process
+
 SEED = int(os.environ.get("SPECEXTEND_TEST_SEED", random.randrange(1 << 30)))
 NUM_CASES = 40
 BLOCK_SIZE = 16
