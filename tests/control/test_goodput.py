@@ -624,3 +624,25 @@ def test_a_prompt_is_not_run_through_the_draft_for_a_number_of_draft_steps_never
             steps * per_draft_step)
     plan = controller.plan(["new"], np.array([0]), np.array([64]), np.array([1000]), 0.0)
     assert plan.draft_steps == 0 and not plan.draft_prefill
+
+
+def test_a_forced_draft_forward_is_shared_only_among_the_rows_that_run_it():
+    # A draft forward runs for the whole batch whether one row drafts or
+    # all do: a row forced alone pays all of it, two rows half each, a row
+    # that drafts anyway takes its share. (As at a0b04fd's parent, a batch
+    # share of it, 1/4 here, had a lone probe in a batch of 4 run a draft
+    # forward worth four times its budget.)
+    from vllm_specextend.control.plan_kernels import share_forwards
+
+    def joined(margins, eligible, sharers=0):
+        covered = np.zeros(len(margins), bool)
+        count = share_forwards(np.array(margins), np.array(eligible), 0.4, sharers, covered)
+        return count, covered.tolist()
+
+    assert joined([0.3, 0.05, 0.0, 0.0], [True, True, False, False]) == (0, [False] * 4)
+    assert joined([0.5, 0.05, 0.0, 0.0], [True, True, False, False]) == (
+        1, [True, False, False, False])
+    assert joined([0.3, 0.25, 0.0, 0.0], [True, True, False, False]) == (
+        2, [True, True, False, False])
+    assert joined([0.3, 0.05, 0.0, 0.0], [True, True, False, False], sharers=1) == (
+        1, [True, False, False, False])
