@@ -160,7 +160,7 @@ def read_control_trace(worker) -> list[dict]:
 
 
 def retrieval_refreshes(worker) -> dict[str, int]:
-    """Retrievals since engine start, by cause (``core.refresh.REFRESH_CAUSES``)."""
+    """Retrievals since engine start, by cause (``retrieval.refresh.REFRESH_CAUSES``)."""
     return dict(_retrieval(worker.model_runner).planner.stats.refreshes)
 
 

@@ -19,11 +19,13 @@ LONG_MARKERS = ("engine", "interpreter")
 
 
 def pytest_collection_modifyitems(items):
-    """The modules that start engines or run Triton's interpreter first (a
-    stable sort, so a module's tests stay together and in order): under
-    xdist a module runs in one worker, and a long one left for last would
-    run while the other workers sit idle."""
-    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in LONG_MARKERS))
+    """The modules with a test that starts an engine or runs Triton's
+    interpreter first (a stable sort by module, so a module's tests stay
+    together and in order): under xdist a module runs in one worker, and a
+    long one left for last would run while the other workers sit idle."""
+    long_modules = {getattr(item, "module", None) for item in items
+                    if any(item.get_closest_marker(m) for m in LONG_MARKERS)}
+    items.sort(key=lambda item: getattr(item, "module", None) not in long_modules)
 
 
 @pytest.fixture(scope="session")

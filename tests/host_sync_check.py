@@ -20,7 +20,7 @@ wait for the device or copy host memory synchronously:
   to the device with a blocking copy (on meta it is made on meta, so the
   check tracks the scalars ``__setitem__`` makes);
 - copies from host memory to the device that are not ``non_blocking`` from a
-  staging buffer (``core.staging.is_staging_memory``: pinned, or allocated
+  staging buffer (``common.staging.is_staging_memory``: pinned, or allocated
   by ``host_staging_buffer`` where nothing can be pinned): a
   ``non_blocking`` copy from pageable memory is synchronous on CUDA;
 - ``torch.tensor(data, device=...)`` / ``torch.as_tensor`` to the device

@@ -8,7 +8,7 @@ import logging
 def plugin_logger(module_name: str) -> logging.Logger:
     """A logger under vLLM's ``vllm`` namespace, so vLLM's logging
     configuration (handlers, level, format) applies to our messages too.
-    Without vLLM (the pure-torch core on a machine that has only torch) a
+    Without vLLM (retrieval's planner and kernels on a machine that has only torch) a
     standard logger of the same name."""
     try:
         from vllm.logger import init_logger

@@ -213,9 +213,9 @@ def _patch_model_runner_init(module: ModuleType) -> None:
     def every_row_drafts(runner: Any) -> None:
         # vLLM switches drafting off for the whole batch when its longest
         # request does not fit the draft's window
-        # (vllm/v1/worker/gpu_model_runner.py:4382, propose_draft_token_ids
-        # asks self._input_fits_in_drafter, defined at :4288, with no option
-        # to turn it off); our proposer drafts every row inside the window
+        # (vllm/v1/worker/gpu_model_runner.py:4382, in sample_tokens, asks
+        # self._input_fits_in_drafter, defined at :4288, with no option to
+        # turn it off); our proposer drafts every row inside the window
         # (compact positions), so every row drafts. Set on this runner only
         # (the class stays stock for other engines).
         runner._input_fits_in_drafter = _every_row_drafts

@@ -1,6 +1,7 @@
 """Per-request slots (``common/request_slots.py``): one per live request, a
 freed one taken next, and arrivals and departures told to every feature
-once, whichever updates first."""
+once (the adapter updates; a second update with the same batch changes
+nothing)."""
 
 import numpy as np
 import pytest

@@ -80,7 +80,7 @@ def test_staged_lists_start_at_16_byte_boundaries_and_keep_their_values():
 
 
 class KernelLaunches:
-    """Stands in for the jitted kernels of ``core/*_triton.py``: records the
+    """Stands in for the jitted kernels of ``retrieval/kernels/*_triton.py``: records the
     address of every tensor each launch is handed, runs nothing."""
 
     def __init__(self) -> None:

@@ -646,3 +646,22 @@ def test_a_forced_draft_forward_is_shared_only_among_the_rows_that_run_it():
         2, [True, True, False, False])
     assert joined([0.3, 0.05, 0.0, 0.0], [True, True, False, False], sharers=1) == (
         1, [True, False, False, False])
+
+
+def test_a_row_still_in_its_prompt_shares_no_draft_forward():
+    # A prompt prefilling in chunks gathers a pause budget too, but drafts
+    # nothing: a lone decoding row that an exploration would force to draft
+    # pays the whole forward, not half of it with the prompt's row.
+    from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES
+    from vllm_specextend.control.plan_kernels import affordable
+
+    weights = np.zeros(NUM_LINEAR_FEATURES + K)
+    weights[NUM_LINEAR_FEATURES] = 0.4  # one draft step's forward
+    budgets, least = np.array([0.3, 1.0]), np.zeros(2)
+    not_drafting = np.zeros(2, bool)
+
+    def rows(decoding):
+        return affordable(budgets, least, weights, 1, not_drafting, np.array(decoding), 0.0)
+
+    assert rows([True, True]).tolist() == [True, True]  # 0.2 each
+    assert rows([True, False]).tolist() == [False, False]  # 0.4 alone

@@ -1,5 +1,5 @@
-"""Arrays as the compiled kernels take them (``choice_kernel.py``,
-``acceptance.py``, ``plan_kernels.py``, ``frontier_kernels.py``): contiguous,
+"""Arrays as the compiled kernels take them (control's and retrieval's
+request rows' numba loops): contiguous,
 of one dtype each, so numba compiles each kernel once and never mid-serving
 (an int32 or a strided array would be a new signature). No copy when
 already so."""

@@ -12,5 +12,7 @@ forward runs at all, and what a skipped forward leaves to catch up.
   loops compiled by numba: ``choice_kernel.py``, ``plan_kernels.py``);
 - ``speculation_control.py``: the engine's controller with each request's
   draft-KV frontier (what a resumed request must catch up; its per-row work
-  compiled by numba: ``frontier_kernels.py``).
+  compiled by numba: ``frontier_kernels.py``);
+- ``kernel_state.py``: the records the compiled loops take; ``warm_up.py``:
+  compiles them when ``DraftControl`` is built, by a scripted engine.
 """

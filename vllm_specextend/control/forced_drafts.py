@@ -56,13 +56,13 @@ class ForcedDrafts:
         return float(catch_up_prices(self.cost.weights, self._catch_up_timed)[1])
 
     def _affordable(self, budgets: np.ndarray, draft_steps: int, drafting: np.ndarray,
-                    least: np.ndarray) -> np.ndarray:
-        """``[rows]``: the rows not ``drafting`` anyway whose budgets cover
-        ``draft_steps`` forced drafts, the least catch-up (``least`` tokens)
-        and their share of the draft forwards (split with the rows that join
-        and those drafting: ``plan_kernels.share_forwards``)."""
+                    decoding: np.ndarray, least: np.ndarray) -> np.ndarray:
+        """``[rows]``: the ``decoding`` rows not ``drafting`` anyway whose
+        budgets cover ``draft_steps`` forced drafts, the least catch-up
+        (``least`` tokens) and their share of the draft forwards (split with
+        the rows that join and those drafting: ``plan_kernels.share_forwards``)."""
         return affordable(budgets, least, floats(self.cost.weights), draft_steps,
-                          flags(drafting), self._forced_catch_up_seconds())
+                          flags(drafting), flags(decoding), self._forced_catch_up_seconds())
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  least: np.ndarray) -> DraftPlan:
@@ -88,7 +88,8 @@ class ForcedDrafts:
         if kind == "draft":
             steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
             drafting = plan.draft_lengths > 0
-            rows = decoding & (drafting | self._affordable(budgets, steps, drafting, least))
+            rows = decoding & (
+                drafting | self._affordable(budgets, steps, drafting, decoding, least))
             if not rows.any():
                 return plan  # until a budget covers it
             plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)

@@ -5,7 +5,8 @@ dozen positional arrays, and a new per-request or per-row field is one line
 here and one where it is used.
 
 Arrays are contiguous, of one dtype each (``common/kernel_args.py``), so
-every loop compiles once per process (at the controller's construction).
+every loop compiles once per process (when ``DraftControl`` is built:
+``control/warm_up.py``).
 """
 
 from __future__ import annotations
@@ -191,12 +192,13 @@ class FrontierState(NamedTuple):
     """int64: one past its last lagging block."""
 
     @classmethod
-    def new(cls, max_num_reqs: int, table_width: int = 0) -> FrontierState:
+    def new(cls, max_num_reqs: int) -> FrontierState:
+        # lag_table takes the block table's width at the first step.
         return cls(frontier=np.full(max_num_reqs, -1, dtype=np.int64),
                    synced=np.zeros(max_num_reqs, dtype=bool),
                    deferred=np.zeros(max_num_reqs, dtype=bool),
                    lagging=np.zeros(max_num_reqs, dtype=bool),
-                   lag_table=np.zeros((max_num_reqs, table_width), dtype=np.int64),
+                   lag_table=np.zeros((max_num_reqs, 0), dtype=np.int64),
                    lag_start=np.zeros(max_num_reqs, dtype=np.int64),
                    lag_end=np.zeros(max_num_reqs, dtype=np.int64))
 

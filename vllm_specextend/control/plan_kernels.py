@@ -118,18 +118,19 @@ def share_forwards(margins, eligible, forward, sharers, covered):
 
 
 @compiled
-def affordable(budgets, least, weights, draft_steps, drafting, per_catch_up):
-    """``[rows]``: the rows whose budgets cover ``draft_steps`` forced drafts,
-    the least catch-up (``least`` tokens at ``per_catch_up`` seconds) and
-    an equal share of the draft forwards with the others that join and the
-    rows ``drafting`` anyway (:func:`share_forwards`)."""
+def affordable(budgets, least, weights, draft_steps, drafting, decoding, per_catch_up):
+    """``[rows]``: the ``decoding`` rows whose budgets cover ``draft_steps``
+    forced drafts, the least catch-up (``least`` tokens at ``per_catch_up``
+    seconds) and an equal share of the draft forwards with the others that
+    join and the rows ``drafting`` anyway (:func:`share_forwards`). A row
+    still in its prompt drafts nothing, so it shares nothing."""
     rows = budgets.shape[0]
     margins = np.empty(rows)
     eligible = np.empty(rows, np.bool_)
     sharers = 0
     for row in range(rows):
         margins[row] = budgets[row] - draft_steps * weights[1] - per_catch_up * least[row]
-        eligible[row] = not drafting[row]
+        eligible[row] = decoding[row] and not drafting[row]
         sharers += drafting[row]
     covered = np.empty(rows, np.bool_)
     share_forwards(margins, eligible, forward_seconds(weights, draft_steps), sharers, covered)

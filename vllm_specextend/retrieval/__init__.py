@@ -2,9 +2,9 @@
 
 - ``owner.py``: :class:`~vllm_specextend.retrieval.owner.DraftRetrieval`, the
   one object a drafter adapter holds for it, and the hooks on vLLM's
-  attention layers (``layer_hooks.py``: the target tap; ``draft_kv_copy.py``:
-  the plain draft KV copy of compact positions). The only modules here that
-  import vLLM.
+  attention layers (``layer_hooks.py``: the target tap). The only modules
+  here that import vLLM; ``draft_kv_copy.py`` is the plain draft KV copy of
+  compact positions.
 - ``planner.py``: :class:`~vllm_specextend.retrieval.planner.RetrievalPlanner`,
   a step's plan (stage, score, retrieve, rewrite, record) from its parts:
   ``request_rows.py`` (per-slot state, row classification; compiled loops in

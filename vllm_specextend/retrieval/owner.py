@@ -24,6 +24,7 @@ import torch
 from vllm_specextend.common.engine_checks import check_layers_write_kv_through_update
 from vllm_specextend.common.engine_setup import EngineSetup, private_layout_blocks
 from vllm_specextend.common.options import SpecExtendConfig
+from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.log import plugin_logger
 from vllm_specextend.retrieval.draft_kv_copy import (
@@ -38,12 +39,7 @@ from vllm_specextend.retrieval.layer_hooks import (
     tap_bytes_per_token,
     tap_target_layer,
 )
-from vllm_specextend.retrieval.planner import (
-    DraftView,
-    PlanningBatch,
-    PrivateLayouts,
-    RetrievalPlanner,
-)
+from vllm_specextend.retrieval.planner import DraftView, PrivateLayouts, RetrievalPlanner
 from vllm_specextend.retrieval.repositioning import RotaryLayout, working_cache_slots
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 

@@ -19,9 +19,9 @@ chunk scores per request slot in ``retrieval/chunk_scoring.py``
 swaps in ``retrieval/compact_layout.py`` (:class:`CompactLayout`); the three
 classes are bases of :class:`RetrievalPlanner`. On CUDA (``use_kernels``)
 a decode step's device work is two index copies and three Triton launches
-(``core/*_triton.py``: scoring over a work list built from the rows'
+(``retrieval/kernels/*_triton.py``: scoring over a work list built from the rows'
 lengths, chunk scores into the request slots, then selection, rewrite and
-record); elsewhere torch ops, the reference the kernels are tested against. This module re-exports the data types.
+record); elsewhere torch ops, the reference the kernels are tested against.
 """
 
 from __future__ import annotations
