@@ -18,6 +18,19 @@ from tests.tiny_models import TARGET_LLAMA, build_model, build_noisy_copy
 LONG_MARKERS = ("engine", "interpreter")
 
 
+def pytest_sessionstart(session):
+    """Compile the package's numba loops once, before any worker starts, into
+    numba's cache beside the package: on a fresh clone every worker and every
+    engine process they start (servers, tensor-parallel ranks) would
+    otherwise compile them again, ~20 s each, at the same time."""
+    if _XDIST_WORKER is None:
+        from vllm_specextend.control.warm_up import warm_up_control
+        from vllm_specextend.retrieval.row_kernels import warm_up_row_kernels
+
+        warm_up_control()
+        warm_up_row_kernels()
+
+
 def pytest_collection_modifyitems(items):
     """The modules with a test that starts an engine or runs Triton's
     interpreter first (a stable sort by module, so a module's tests stay

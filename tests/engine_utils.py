@@ -188,6 +188,7 @@ def watch_draft_reads(worker) -> None:
     context plus the draft's tokens of the step (not the whole context).
     Counts and the compacted tables read go to ``draft_reads``."""
     import torch
+
     from vllm.forward_context import get_forward_context
 
     drafter = worker.model_runner.drafter
@@ -254,6 +255,7 @@ def watch_draft_positions(worker) -> None:
     draft's window (where vLLM's rejected and padding slots land). Counts go
     to ``draft_positions``."""
     import torch
+
     from vllm.forward_context import get_forward_context
 
     drafter = worker.model_runner.drafter

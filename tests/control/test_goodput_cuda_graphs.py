@@ -184,8 +184,8 @@ def test_the_controller_reads_the_graph_mode_vllm_settled_on(
     from vllm.config import CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from tests.drafters.test_adapter_host_syncs import StockProposer, runner_for
     from tests.common.test_engine_setup import engine_config
+    from tests.drafters.test_adapter_host_syncs import StockProposer, runner_for
     from vllm_specextend.common.engine_setup import resolve_setup
     from vllm_specextend.drafters.v1_overrides import V1Overrides
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.retrieval.test_host_syncs import ALLOWED
 from tests.drafters.fakes import FakeAttention
 from tests.host_sync_check import HostSyncCheck
+from tests.retrieval.test_host_syncs import ALLOWED
 from vllm_specextend.common.engine_setup import SETUP_ATTRIBUTE, EngineSetup
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.control.goodput import DraftPlan
@@ -280,8 +280,8 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
         StandaloneARSpeculator,
     )
 
-    from tests.drafters.test_mrv2_draft_model import STREAMING, input_batch
     from tests.common.test_engine_setup import capped_draft, engine_config
+    from tests.drafters.test_mrv2_draft_model import STREAMING, input_batch
     from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     config = engine_config(target_model, spec_extend=STREAMING, max_num_seqs=4,

@@ -5,13 +5,12 @@ version. MRV2's kernels need CUDA: the engine test skips on CPU."""
 
 import types
 
-import numpy as np
 import pytest
 import torch
 
+from tests.common.test_engine_setup import capped_draft, engine_config
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.engine_utils import run_engine
-from tests.common.test_engine_setup import capped_draft, engine_config
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3

@@ -6,14 +6,13 @@ CUDA: the engine test skips on CPU."""
 
 import types
 
-import numpy as np
 import pytest
 import torch
 
+from tests.common.test_engine_setup import engine_config
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.drafters.test_mrv2_draft_model import BLOCK_SIZE, simulate_gpu
 from tests.engine_utils import run_engine
-from tests.common.test_engine_setup import engine_config
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3

@@ -12,17 +12,16 @@ Mutation that fails it: ``MRV2Overrides.propose`` staging the draft's view
 
 import types
 
-import numpy as np
 import pytest
 import torch
 
+from tests.common.test_engine_setup import engine_config
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.drafters.test_mrv2_eagle import (
     prepare_decode_inputs,
     prepare_prefill_inputs,
     update_draft_inputs,
 )
-from tests.common.test_engine_setup import engine_config
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3

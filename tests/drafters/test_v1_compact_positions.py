@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.drafters.fakes import FakeAttention
 from tests.common.test_engine_setup import engine_config
-from tests.tiny_models import TARGET_LLAMA, build_model
+from tests.drafters.fakes import FakeAttention
+from tests.tiny_models import TARGET_LLAMA
 
 K = 3
 BLOCK_SIZE = 32

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.retrieval.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
 from tests.host_sync_check import HostSyncCheck, HostSyncError
+from tests.retrieval.test_planner import BLOCK_SIZE, ROWS, K, planning_batch, to_device
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.retrieval.planner import PrivateLayouts, RetrievalPlanner
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
