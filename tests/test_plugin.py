@@ -95,6 +95,8 @@ def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkey
 
 
 def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypatch):
+    import pickle
+
     from tests.common.test_engine_setup import engine_config
     from vllm_specextend import patches
     from vllm_specextend.common import engine_setup
@@ -105,13 +107,22 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
                         or resolve(config))
     # Resolved at engine construction, kept on the config for every reader.
     ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
+    assert len(calls) == 1
     engine = types.SimpleNamespace(vllm_config=ours)
     setup = patches.engine_setup(engine)
     assert patches.engine_setup(engine) is setup and len(calls) == 1
     assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
     assert setup.steps_in_flight == ours.max_concurrent_batches
+    # The engine core's and the workers' copy (pickled) carries it: their
+    # construction steps read it, nothing resolves it again.
+    copy = pickle.loads(pickle.dumps(ours))
+    assert engine_setup.keep_setup(copy) == setup and engine_setup.kept_setup(copy) == setup
+    assert len(calls) == 1
     stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
     assert patches.engine_setup(stock) is None and patches.engine_setup(stock) is None
+    assert len(calls) == 2
+    # A config vLLM built without EngineArgs: no reader resolves it.
+    assert patches.engine_setup(types.SimpleNamespace(vllm_config=object())) is None
     assert len(calls) == 2
 
 

@@ -11,8 +11,9 @@ options every wrapper calls straight through.
   ``retrieval_refresh='acceptance'`` and no user ``async_scheduling``, the
   synchronous scheduler; with compact draft positions and no user
   ``max_num_batched_tokens``, prompt chunks of half the draft's window),
-  then resolves the options against it and keeps the result for every
-  reader of that config (``common/engine_setup.py``).
+  then resolves the options against it, once for the engine, and keeps
+  the result on the config (``common/engine_setup.py``, ``keep_setup``),
+  which carries it into the engine core and the workers.
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the
@@ -74,6 +75,8 @@ from vllm_specextend.common.engine_setup import (
     EngineSetup,
     adjust_engine_args,
     adjust_vllm_config,
+    is_kept,
+    keep_setup,
     kept_setup,
     private_layout_blocks,
     requested_config,
@@ -143,8 +146,10 @@ def wrap_once(owner: type | ModuleType, name: str,
 
 
 def engine_setup(engine: Any) -> EngineSetup | None:
-    """An engine's resolved options (resolved at its construction and kept)."""
-    return kept_setup(engine.vllm_config)
+    """An engine's set-up, as its construction kept it on its config (None:
+    SpecExtend is off, or the config was not built through ``EngineArgs``)."""
+    config = engine.vllm_config
+    return kept_setup(config) if is_kept(config) else None
 
 
 # ---- engine construction ---------------------------------------------------
@@ -154,7 +159,9 @@ def _patch_create_engine_config(module: ModuleType) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def create_engine_config(self, *args, **kwargs):
             # Options checked on their own, vLLM's config adjusted, then the
-            # options checked against it and the result kept on it.
+            # options resolved against it, once for the engine, and the
+            # result kept on the config (pickled with it into the engine
+            # core and worker processes).
             config = requested_config(self.additional_config)
             user_chunk_budget = self.max_num_batched_tokens
             if config is not None:
@@ -162,7 +169,7 @@ def _patch_create_engine_config(module: ModuleType) -> None:
             vllm_config = original(self, *args, **kwargs)
             if config is not None:
                 adjust_vllm_config(vllm_config, config, user_chunk_budget)
-            kept_setup(vllm_config)
+            keep_setup(vllm_config)
             return vllm_config
 
         return create_engine_config
@@ -174,7 +181,12 @@ def _patch_use_v2_model_runner(module: ModuleType) -> None:
     def make_wrapper(stock: Callable) -> Callable:
         def use_v2_model_runner(self) -> bool:
             chosen = stock(self)
-            if module.envs.VLLM_USE_V2_MODEL_RUNNER is not None or not requests_spec_extend(self):
+            # Once the engine is built, its kept set-up answers; while vLLM
+            # builds the config (its __post_init__ reads this property), the
+            # options already checked on their own do.
+            requested = (kept_setup(self) is not None if is_kept(self)
+                         else requests_spec_extend(self))
+            if module.envs.VLLM_USE_V2_MODEL_RUNNER is not None or not requested:
                 return chosen
             forced = (
                 self.attention_config.hisparse_config is not None
@@ -288,7 +300,9 @@ def _swap_while_runner_is_built(
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
-            setup = kept_setup(vllm_config)
+            # Kept at engine construction (pickled with the config); resolved
+            # here only for a config built without EngineArgs.
+            setup = keep_setup(vllm_config)
             if setup is None:
                 return original(self, vllm_config, *args, **kwargs)
             _add_worker_metrics_method()
@@ -313,7 +327,7 @@ def _patch_engine_core_kv_caches(module: ModuleType) -> None:
     def make_wrapper(original: Callable) -> Callable:
         def _initialize_kv_caches(self, vllm_config):
             scheduler_kv_cache_config = original(self, vllm_config)
-            setup = kept_setup(vllm_config)
+            setup = keep_setup(vllm_config)  # as the runner's: kept, or resolved here once
             if setup is None or not setup.private_layouts:
                 return scheduler_kv_cache_config
             block_size = scheduler_kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
