@@ -98,8 +98,8 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
     import pickle
 
     from tests.common.test_engine_setup import engine_config
-    from vllm_specextend import patches
     from vllm_specextend.common import engine_setup
+    from vllm_specextend.patches import engine_construction
 
     calls = []
     resolve = engine_setup.resolve_setup
@@ -109,8 +109,8 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
     ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
     assert len(calls) == 1
     engine = types.SimpleNamespace(vllm_config=ours)
-    setup = patches.engine_setup(engine)
-    assert patches.engine_setup(engine) is setup and len(calls) == 1
+    setup = engine_construction.engine_setup(engine)
+    assert engine_construction.engine_setup(engine) is setup and len(calls) == 1
     assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
     assert setup.steps_in_flight == ours.max_concurrent_batches
     # The engine core's and the workers' copy (pickled) carries it: their
@@ -119,10 +119,12 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
     assert engine_setup.keep_setup(copy) == setup and engine_setup.kept_setup(copy) == setup
     assert len(calls) == 1
     stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
-    assert patches.engine_setup(stock) is None and patches.engine_setup(stock) is None
+    assert engine_construction.engine_setup(stock) is None
+    assert engine_construction.engine_setup(stock) is None
     assert len(calls) == 2
     # A config vLLM built without EngineArgs: no reader resolves it.
-    assert patches.engine_setup(types.SimpleNamespace(vllm_config=object())) is None
+    built_by_hand = types.SimpleNamespace(vllm_config=object())
+    assert engine_construction.engine_setup(built_by_hand) is None
     assert len(calls) == 2
 
 
@@ -154,7 +156,7 @@ def test_vllms_kernel_overrides_register_beside_our_compiled_loops():
     """numba (our compiled host loops) loads llvmlite, whose FFI module
     answers every attribute; vLLM's ``register_kernels`` reads one of every
     module attribute, and the CPU platform calls it at every worker's start.
-    Without the plugin's patch (``patches._patch_kernel_dispatcher``) this
+    Without the plugin's patch (``patches/cpu_sampler.py``, ``patch_kernel_dispatcher``) this
     fails with "'_lib_fn_wrapper' object has no attribute 'get'"."""
     import llvmlite.binding.ffi  # noqa: F401 (as numba loads it)
 

@@ -57,7 +57,7 @@ def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
 
 
 def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
-    from vllm_specextend import patches
+    from vllm_specextend.patches.model_runners import patch_model_runner_v2_init
     from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
 
     module = types.ModuleType("model_runner_v2")
@@ -68,7 +68,7 @@ def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft
             self.speculator = module.init_speculator(vllm_config, device, None)
 
     module.GPUModelRunner = GPUModelRunner
-    patches._patch_model_runner_v2_init(module)
+    patch_model_runner_v2_init(module)
     cpu = torch.device("cpu")
     ours = GPUModelRunner(engine_config(target_model, draft_model, spec_extend={}), cpu)
     assert isinstance(ours.speculator, SpecExtendStandaloneARSpeculator)

@@ -306,7 +306,7 @@ def test_cuda_graphs_see_the_compacted_buffers(speculator):
 def test_heads_in_model_runner_v2_get_our_speculators(target_model, monkeypatch):
     from tests.common.test_engine_setup import eagle_config
     from tests.tiny_models import TARGET_QWEN2, build_mtp_target
-    from vllm_specextend import patches
+    from vllm_specextend.patches.model_runners import patch_model_runner_v2_init
     from vllm_specextend.drafters.mrv2_eagle import SpecExtendEagleSpeculator
     from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator
 
@@ -318,7 +318,7 @@ def test_heads_in_model_runner_v2_get_our_speculators(target_model, monkeypatch)
             self.speculator = module.init_speculator(vllm_config, device, None)
 
     module.GPUModelRunner = GPUModelRunner
-    patches._patch_model_runner_v2_init(module)
+    patch_model_runner_v2_init(module)
     simulate_gpu(monkeypatch, v2_env=True)
     head = eagle_config(target_model, "eagle3")
     mtp = engine_config(build_mtp_target(TARGET_QWEN2), spec_extend={},
