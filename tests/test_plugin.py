@@ -23,6 +23,9 @@ def test_register_is_idempotent_and_wraps_each_seam_once():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (
+        TargetDependentARSpeculator,
+    )
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -32,6 +35,9 @@ def test_register_is_idempotent_and_wraps_each_seam_once():
     assert VllmConfig.use_v2_model_runner.fget._specextend_wrapped
     assert GPUModelRunner.__init__._specextend_wrapped
     assert GPUModelRunnerV2.__init__._specextend_wrapped
+    assert GPUModelRunner.initialize_kv_cache._specextend_wrapped
+    assert GPUModelRunnerV2.initialize_kv_cache._specextend_wrapped
+    assert TargetDependentARSpeculator.init_cudagraph_manager._specextend_wrapped
     assert Worker.determine_available_memory._specextend_wrapped
     assert CPUWorker.determine_available_memory._specextend_wrapped
     assert not getattr(CPUWorker.determine_available_memory.__wrapped__, "_specextend_wrapped", False)

@@ -36,6 +36,23 @@ straight through.
 - ``GPUModelRunner.__init__`` of Model Runner V2: the same, with its module's
   ``init_speculator`` returning our speculator for the engine's method.
 
+``drafter_instances.py``: the two swaps on one engine's objects, not on
+vLLM's classes, each naming the vLLM lines that force it
+
+- ``GPUModelRunner.initialize_kv_cache`` of both runners: afterwards, the
+  attention impls of the layers retrieval hooks (the target's scoring layer:
+  the tap; with compact positions, the draft's layers: the plain KV copy)
+  get the subclasses ``retrieval/layer_hooks.py`` made for them
+  (``impl.__class__``).
+- ``TargetDependentARSpeculator.init_cudagraph_manager`` (an EAGLE head or
+  MTP layer in Model Runner V2): afterwards, its CUDA-graph managers'
+  ``run_fullgraph`` and ``capture`` are rebound on those two objects, so a
+  compacted step-0 runs eagerly and decode graphs read the compacted
+  buffers (``drafters/mrv2_target_dependent.py``).
+
+No other module of the package assigns ``__class__`` or rebinds a method
+of a vLLM object (``tests/test_architecture.py``).
+
 ``kv_cache.py``
 
 - ``EngineCore._initialize_kv_caches``: with compact draft positions and
@@ -69,6 +86,7 @@ import functools
 
 from vllm_specextend.patches import (
     cpu_sampler,
+    drafter_instances,
     engine_construction,
     kv_cache,
     metrics,
@@ -78,12 +96,13 @@ from vllm_specextend.patches.model_runners import _keep_planned_drafts
 from vllm_specextend.patches.wrapping import wrap_once
 from vllm_specextend.post_import import when_imported
 
-__all__ = ["install", "install_version_guard", "wrap_once", "_keep_planned_drafts"]
+__all__ = ["_keep_planned_drafts", "install", "install_version_guard", "wrap_once"]
 
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 VLLM_CONFIG_MODULE = "vllm.config.vllm"
 MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 MODEL_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+TARGET_DEPENDENT_MODULE = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
@@ -97,6 +116,9 @@ def install() -> None:
     when_imported(VLLM_CONFIG_MODULE, engine_construction.patch_use_v2_model_runner)
     when_imported(MODEL_RUNNER_MODULE, model_runners.patch_model_runner_init)
     when_imported(MODEL_RUNNER_V2_MODULE, model_runners.patch_model_runner_v2_init)
+    for module_name in (MODEL_RUNNER_MODULE, MODEL_RUNNER_V2_MODULE):
+        when_imported(module_name, drafter_instances.patch_runner_kv_cache_set_up)
+    when_imported(TARGET_DEPENDENT_MODULE, drafter_instances.patch_target_dependent_graphs)
     when_imported(LLM_ENGINE_MODULE, metrics.patch_llm_engine_get_metrics)
     when_imported(ASYNC_LLM_MODULE, metrics.patch_async_llm_do_log_stats)
     when_imported(ENGINE_CORE_MODULE, kv_cache.patch_engine_core_kv_caches)
