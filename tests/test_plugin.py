@@ -119,19 +119,21 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
     assert engine_construction.engine_setup(engine) is setup and len(calls) == 1
     assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
     assert setup.steps_in_flight == ours.max_concurrent_batches
-    # The engine core's and the workers' copy (pickled) carries it: their
-    # construction steps read it, nothing resolves it again.
+    # An engine core's or a worker's copy (pickled): its construction step
+    # resolves it once, to the same set-up; its readers only read.
     copy = pickle.loads(pickle.dumps(ours))
-    assert engine_setup.keep_setup(copy) == setup and engine_setup.kept_setup(copy) == setup
-    assert len(calls) == 1
+    assert not engine_setup.is_kept(copy)
+    assert engine_setup.keep_setup(copy) == setup and len(calls) == 2
+    assert engine_setup.keep_setup(copy) == engine_setup.kept_setup(copy) == setup
+    assert len(calls) == 2
     stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
     assert engine_construction.engine_setup(stock) is None
     assert engine_construction.engine_setup(stock) is None
-    assert len(calls) == 2
+    assert len(calls) == 3
     # A config vLLM built without EngineArgs: no reader resolves it.
     built_by_hand = types.SimpleNamespace(vllm_config=object())
     assert engine_construction.engine_setup(built_by_hand) is None
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_wrap_once_wraps_methods_and_properties_once():

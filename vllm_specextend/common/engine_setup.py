@@ -8,15 +8,16 @@ Engine construction (``patches.py``, ``EngineArgs.create_engine_config``)
 runs three steps, in this order: :func:`requested_config` checks the user's
 options on their own; :func:`adjust_engine_args` / :func:`adjust_vllm_config`
 are the only code that changes vLLM's config; :func:`keep_setup` checks the
-options against vLLM's config (:func:`resolve_setup`) and keeps the result on
-it (``SETUP_ATTRIBUTE``). The config carries it, pickled, into the engine
-core and worker processes; every reader takes it from there
-(:func:`kept_setup`) or from the model runner it was handed to, and none
-resolves or raises again.
+options against vLLM's config (:func:`resolve_setup`), once, and keeps the
+result for the readers of that config. The engine core and worker processes
+get the config pickled and keep their copy's set-up once, at their first
+construction step; a model runner hands its set-up to the drafter it builds
+(``SETUP_ATTRIBUTE``). No reader resolves or raises after construction.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +37,8 @@ a draft model, or an EAGLE head or MTP layer whose attention layer shares the
 target's KV cache group."""
 
 SETUP_ATTRIBUTE = "_spec_extend_setup"
-"""Where an engine's ``VllmConfig`` keeps its resolved :class:`EngineSetup`
-(set once, at engine construction), and where a model runner keeps it for
-the drafter it builds."""
+"""Where a model runner keeps its engine's resolved :class:`EngineSetup`
+for the drafter it builds."""
 
 
 @dataclass(frozen=True)
@@ -169,34 +169,44 @@ def _check_features(vllm_config: Any, config: SpecExtendConfig, method: str) -> 
             engine_checks.check_mrv2_data_parallel(vllm_config)
 
 
+_KEPT_SETUPS: dict[int, EngineSetup | None] = {}
+"""Resolved set-ups by ``id`` of their live ``VllmConfig``, in this process."""
+
+
 def keep_setup(vllm_config: Any) -> EngineSetup | None:
-    """Resolve the engine's set-up (:func:`resolve_setup`) and keep it on
-    ``vllm_config``, once, where the config is built: engine construction
-    (``EngineArgs.create_engine_config``), or the first construction step of
-    a process whose config was built some other way (by hand, without
-    ``EngineArgs``). Raises what :func:`resolve_setup` raises.
+    """Resolve the engine's set-up (:func:`resolve_setup`) once per config
+    and process, where the config is built, and keep it for the readers of
+    that config; the kept one when there is one. Raises what
+    :func:`resolve_setup` raises.
 
-    Kept on the config so that it travels with it: vLLM pickles the config
-    into the engine core and worker processes, which then read the set-up
-    the front end resolved. Not a field: ``additional_config`` is hashed as
-    JSON, and vLLM's ``config.utils.replace`` copies fields only (a drafter's
-    config made with it has no set-up; drafters get theirs from the runner)."""
-    if not hasattr(vllm_config, SETUP_ATTRIBUTE):
-        setattr(vllm_config, SETUP_ATTRIBUTE, resolve_setup(vllm_config))
-    return kept_setup(vllm_config)
+    Called only where an engine is constructed: by the front end in
+    ``EngineArgs.create_engine_config`` (any bad input is refused there),
+    and, since vLLM pickles the config into the engine core and worker
+    processes, by their first construction step for their copy (the engine
+    core's KV cache set-up, each model runner's ``__init__``): the same
+    inputs give the same set-up. Readers after construction take the kept
+    one (:func:`kept_setup`), or the one a runner was handed.
 
-
-def kept_setup(holder: Any) -> EngineSetup | None:
-    """The set-up :func:`keep_setup` kept on ``holder`` (an engine's
-    ``VllmConfig``, or a model runner it was handed to); None when
-    SpecExtend is off. A read: it never resolves, and never raises for an
-    object construction has been through."""
-    return getattr(holder, SETUP_ATTRIBUTE)
+    Kept beside the config, not on it: vLLM's ``config.utils.replace`` (a
+    drafter's config is one) refuses attributes that are not fields, and
+    ``additional_config`` is hashed as JSON."""
+    key = id(vllm_config)
+    if key not in _KEPT_SETUPS:
+        _KEPT_SETUPS[key] = resolve_setup(vllm_config)
+        weakref.finalize(vllm_config, _KEPT_SETUPS.pop, key, None)
+    return _KEPT_SETUPS[key]
 
 
 def is_kept(vllm_config: Any) -> bool:
-    """Whether engine construction has resolved and kept ``vllm_config``'s set-up."""
-    return hasattr(vllm_config, SETUP_ATTRIBUTE)
+    """Whether construction has resolved ``vllm_config``'s set-up in this process."""
+    return id(vllm_config) in _KEPT_SETUPS
+
+
+def kept_setup(vllm_config: Any) -> EngineSetup | None:
+    """The set-up :func:`keep_setup` kept for ``vllm_config`` (None:
+    SpecExtend is off). A read: it never resolves, so it never raises for a
+    config construction has been through."""
+    return _KEPT_SETUPS[id(vllm_config)]
 
 
 def full_decode_graph_query_len(vllm_config: Any) -> int | None:

@@ -75,8 +75,8 @@ class MRV2Overrides(DrafterFeatures):
         super().__init__(vllm_config, device)
         self.requests = RequestSlots(self.max_num_reqs)
         self.retrieval = DraftRetrieval(
-            # Handed over by the runner's init_speculator (patches.py); else
-            # the one engine construction kept on the config.
+            # Handed over by the runner's init_speculator (patches/); else
+            # the one construction kept for the config.
             setup if setup is not None else kept_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,

@@ -16,8 +16,9 @@ straight through.
   synchronous scheduler; with compact draft positions and no user
   ``max_num_batched_tokens``, prompt chunks of half the draft's window),
   then resolves the options against it, once for the engine, and keeps
-  the result on the config (``common/engine_setup.py``, ``keep_setup``),
-  which carries it into the engine core and the workers.
+  the result for every reader of the config (``common/engine_setup.py``,
+  ``keep_setup``; the engine core and worker processes keep their pickled
+  copy's once, at their construction: ``kv_cache.py``, ``model_runners.py``).
 - ``VllmConfig.use_v2_model_runner``: an engine with ``spec_extend`` and no
   ``VLLM_USE_V2_MODEL_RUNNER`` in the environment runs vLLM's V1 model runner
   (retrieval in Model Runner V2 has not run on a GPU yet); ``=1`` gets the

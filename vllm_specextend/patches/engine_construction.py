@@ -26,8 +26,8 @@ logger = plugin_logger(__name__)
 
 
 def engine_setup(engine: Any) -> EngineSetup | None:
-    """An engine's set-up, as its construction kept it on its config (None:
-    SpecExtend is off, or the config was not built through ``EngineArgs``)."""
+    """An engine's set-up, as its construction kept it (None: SpecExtend is
+    off, or the config was not built through ``EngineArgs``)."""
     config = engine.vllm_config
     return kept_setup(config) if is_kept(config) else None
 
@@ -37,8 +37,7 @@ def patch_create_engine_config(module: ModuleType) -> None:
         def create_engine_config(self, *args, **kwargs):
             # Options checked on their own, vLLM's config adjusted, then the
             # options resolved against it, once for the engine, and the
-            # result kept on the config (pickled with it into the engine
-            # core and worker processes).
+            # result kept for every reader of the config.
             config = requested_config(self.additional_config)
             user_chunk_budget = self.max_num_batched_tokens
             if config is not None:

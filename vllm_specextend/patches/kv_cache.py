@@ -19,8 +19,8 @@ def patch_engine_core_kv_caches(module: ModuleType) -> None:
         def _initialize_kv_caches(self, vllm_config):
             scheduler_kv_cache_config = original(self, vllm_config)
             # Called from EngineCore.__init__: kept at engine construction
-            # (pickled with the config), resolved here only for a config
-            # built without EngineArgs.
+            # when the core shares the front end's process; an engine-core
+            # process resolves its pickled copy here, once.
             setup = keep_setup(vllm_config)
             if setup is None or not setup.private_layouts:
                 return scheduler_kv_cache_config

@@ -109,8 +109,8 @@ def _swap_while_runner_is_built(
 
     def make_wrapper(original: Callable) -> Callable:
         def __init__(self, vllm_config, *args, **kwargs):
-            # Kept at engine construction (pickled with the config); resolved
-            # here only for a config built without EngineArgs.
+            # Kept at engine construction when the runner shares the engine's
+            # process; a worker process resolves its pickled copy here, once.
             setup = keep_setup(vllm_config)
             if setup is None:
                 return original(self, vllm_config, *args, **kwargs)
