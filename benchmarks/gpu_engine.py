@@ -208,6 +208,9 @@ def main() -> None:
     parser.add_argument("--graphs", nargs="+", default=["eager", "full_decode_only"],
                         choices=list(GRAPHS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    parser.add_argument("--runner", choices=["v1", "mrv2"], default="v1",
+                        help="vLLM's model runner for every engine (stock drafting would "
+                             "otherwise take vLLM's default, MRV2 on CUDA, and cmr V1)")
     parser.add_argument("--one", nargs=5, metavar=("CONFIG", "GRAPHS", "BATCH", "CONTEXT", "JSON"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,6 +219,7 @@ def main() -> None:
         run_one(config, graphs, int(batch), int(context), Path(out))
         return
     started = time.time()
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "mrv2" else "0"
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in args.shapes:

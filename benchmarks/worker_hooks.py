@@ -137,7 +137,8 @@ def force_pause(worker, forced: bool) -> None:
 
 def start_control_trace(worker) -> None:
     """Goodput control records every plan from now on: the requests, their
-    context, their drafts, whether the draft's forward ran, and the clock."""
+    context, their drafts, whether the draft's forward ran, the clock, the
+    tokens caught up so far, the catch-up price and the step-cost weights."""
     control = _control(worker.model_runner)
     trace: list[dict] = []
     control.__dict__.pop("plan", None)  # a trace started before: replaced
@@ -146,9 +147,13 @@ def start_control_trace(worker) -> None:
     def plan(req_ids, context_lens, *args, **kwargs):
         now = control.clock()
         draft_plan, runs = stock_plan(req_ids, context_lens, *args, **kwargs)
+        controller = control.controller
         trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
                       "draft_lengths": draft_plan.draft_lengths.tolist(),
-                      "draft_forward": runs, "seconds": now})
+                      "draft_forward": runs, "seconds": now,
+                      "catch_up_tokens_so_far": int(controller.stats.catch_up_tokens),
+                      "catch_up_seconds_per_token": controller._catch_up_seconds(),
+                      "cost_weights": controller.cost.weights.tolist()})
         return draft_plan, runs
 
     control.plan = plan

@@ -665,3 +665,17 @@ def test_a_row_still_in_its_prompt_shares_no_draft_forward():
 
     assert rows([True, True]).tolist() == [True, True]  # 0.2 each
     assert rows([True, False]).tolist() == [False, False]  # 0.4 alone
+
+
+def test_the_warm_up_does_not_catch_up_a_prompt_the_draft_lacks():
+    # The input in float32: the prompts had skipped the draft, and the
+    # warm-up's drafts at K on every row caught all of them up (2,410 tokens
+    # of a 0.5B float32 draft on 2 cores: 0.37x the target alone).
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True)
+    engine = SimulatedEngine(controller, {"deferred": 0.0, "in_sync": 0.0})
+    engine.whole, engine.gap["deferred"] = {"deferred"}, 600
+    for _ in range(4):
+        engine.step()
+    assert [h["in_sync"] for h in engine.history] == [K, K, 0, 0]  # the warm-up
+    assert [h["deferred"] for h in engine.history] == [0, 0, 0, 0]
+    assert engine.gap["deferred"] >= 600

@@ -12,8 +12,13 @@ vLLM's V1 runner hosts it):
 - no Triton kernel of the package compiles after warm-up (a second batch of
   other lengths and sizes);
 - a steady decode step makes no host-device sync from the package
-  (``torch.cuda.set_sync_debug_mode``; vLLM's own sync sites are recorded
-  and named in the report, not asserted).
+  (``torch.cuda.set_sync_debug_mode``; a sync is the package's when the
+  innermost of the package's and vLLM's frames on its stack is the package's;
+  vLLM's own sync sites are recorded and named in the report, not asserted).
+
+Stock drafting (the same drafter without SpecExtend) runs too: where outputs
+differ from the target alone, the report and the failure say whether stock
+drafting's differ as well (then the cause is vLLM's numerics, not retrieval).
 
 ``SPECEXTEND_GPU_REPORT=path.json`` writes each test's figures there (one file
 per pytest-xdist worker).
@@ -182,6 +187,14 @@ def innermost(stack: list[str], package: str) -> str | None:
     return hits[-1] if hits else None
 
 
+def package_site(stack: list[str]) -> str | None:
+    """The package's frame that made the sync, if the innermost of the
+    package's and vLLM's frames is the package's (a sync inside vLLM code the
+    package called, e.g. the draft's forward, is vLLM's)."""
+    frames = [f for f in stack if "/vllm_specextend/" in f or "/vllm/" in f]
+    return frames[-1] if frames and "/vllm_specextend/" in frames[-1] else None
+
+
 def steady_decode_syncs(llm, prompts: list[list[int]], steps: int = 3) -> list[list[str]]:
     """Sync sites of ``steps`` engine steps once every request decodes."""
     from vllm import TokensPrompt
@@ -208,6 +221,18 @@ def target_alone(runner: str, graphs: str, base: Path, prompts: list[list[int]])
     key = (runner, graphs, str(base), tuple(map(tuple, prompts)))
     if key not in _REFERENCES:
         with model_runner(runner), engine(base, **engine_overrides(graphs)) as llm:
+            outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+        _REFERENCES[key] = [list(o.outputs[0].token_ids) for o in outputs]
+    return _REFERENCES[key]
+
+
+def stock_drafting(runner: str, graphs: str, method: str, target: Path, draft: Path | None,
+                   prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of the same drafter without SpecExtend."""
+    key = (runner, graphs, method, str(target), str(draft), tuple(map(tuple, prompts)))
+    if key not in _REFERENCES:
+        with model_runner(runner), engine(target, draft, K, method=method,
+                                          **engine_overrides(graphs)) as llm:
             outputs = generate_greedy(llm, prompts, MAX_TOKENS)
         _REFERENCES[key] = [list(o.outputs[0].token_ids) for o in outputs]
     return _REFERENCES[key]
@@ -253,9 +278,13 @@ def test_cmr_on_gpu(config, report):
             reads = llm.collective_rpc(DRAFT_READS[1])[0] if watch else None
     finally:
         compiles.close()
-    ours = [innermost(s, "vllm_specextend") for s in sites]
+    ours = [package_site(s) for s in sites]
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    stock = stock_drafting(runner, graphs, method, target, draft, prompts)
     record.update(
-        outputs_equal=[list(o.outputs[0].token_ids) for o in outputs] == expected,
+        outputs_equal=tokens == expected,
+        stock_drafting_outputs_equal=stock == expected,
+        outputs_equal_stock_drafting=tokens == stock,
         draft_tokens=counters.get("num_draft_tokens"),
         accepted_tokens=counters.get("num_accepted_tokens"),
         retrievals=retrieval.get("retrievals"),
@@ -267,8 +296,11 @@ def test_cmr_on_gpu(config, report):
         triton_compiles_after_warm_up=compiles.kernels,
         package_sync_sites=[o for o in ours if o],
         vllm_sync_sites=sorted({innermost(s, "vllm") or s[-1] for s in sites}),
+        sync_stack_tails=sorted({" <- ".join(reversed(s[-6:])) for s in sites}),
     )
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert tokens == expected, (
+        f"stock drafting's outputs {'equal' if stock == expected else 'differ from'} the "
+        f"target alone's; SpecExtend's {'equal' if tokens == stock else 'differ from'} stock's")
     assert compiles.ours() == [], compiles.ours()
     assert record["package_sync_sites"] == [], sites
     if control is None:

@@ -15,9 +15,12 @@ from vllm_specextend.common.kernel_args import flags, floats
 from vllm_specextend.control.draft_lengths import DraftPlan
 from vllm_specextend.control.plan_kernels import UNLIMITED, affordable, catch_up_prices
 
-__all__ = ["UNLIMITED", "WARM_UP_PLANS", "ForcedDrafts"]
+__all__ = ["UNLIMITED", "WARM_UP", "ForcedDrafts"]
 
-WARM_UP_PLANS = {0: "warm-up", 1: "warm-up", 2: "pause", 3: "pause"}
+WARM_UP = ("draft", "draft", "pause", "pause")
+"""The engine's first plans with decoding rows: two drafting ``K`` (the second
+is timed even where the first follows a prefill; fewer draft steps are priced
+per step until timed), then two paused."""
 
 
 class ForcedDrafts:
@@ -66,26 +69,30 @@ class ForcedDrafts:
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  least: np.ndarray) -> DraftPlan:
-        """Warm-up: two plans at full K, then two with no drafts; after that,
-        every ``explore_interval`` plans, one that departs from the choice:
-        every row drafting D (D cycling through 1..K) or, while some rows
-        draft, every other time none. The cost model then keeps seeing every
-        number of draft steps. A row not drafting on its estimates joins an
-        exploring draft only when its probe budget covers it (the
-        exploration waits for one that does)."""
+        """Warm-up (``WARM_UP``; a warm-up row joins only with no more than
+        ``min_probe_catch_up`` tokens to catch up: not a prompt the draft
+        lacks); after that, every ``explore_interval`` plans, one that
+        departs from the choice: every row drafting D (D cycling through
+        1..K) or, while some rows draft, every other time none. The cost
+        model then keeps seeing every number of draft steps. A row not
+        drafting on its estimates joins an exploring draft only when its
+        probe budget covers it (the exploration waits for one that does)."""
         if not decoding.any():
             return plan
-        kind = WARM_UP_PLANS.get(self._plans)
-        if kind is None:
-            self._since_exploration += 1
-            if self._since_exploration < self.parameters.explore_interval:
-                return plan
-            pause = plan.draft_steps > 0 and self.stats.explorations % 2 == 0
-            kind = "pause" if pause else "draft"
-        if kind == "warm-up":
-            lengths = np.where(decoding, self.num_speculative_tokens, 0)
-            return DraftPlan(lengths, self.num_speculative_tokens, plan.expected_goodput)
-        if kind == "draft":
+        if self._warm_up_plans < len(WARM_UP):
+            drafts = WARM_UP[self._warm_up_plans] == "draft"
+            self._warm_up_plans += 1
+            # Unpriced: a row joins with no more to catch up than a probe
+            # would (not a prompt the draft lacks, which it would catch up whole).
+            rows = decoding & (least <= self.parameters.min_probe_catch_up) & drafts
+            steps = self.num_speculative_tokens if rows.any() else 0
+            return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
+        self._since_exploration += 1
+        if self._since_exploration < self.parameters.explore_interval:
+            return plan
+        if plan.draft_steps > 0 and self.stats.explorations % 2 == 0:
+            plan = DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
+        else:
             steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
             drafting = plan.draft_lengths > 0
             rows = decoding & (
@@ -93,9 +100,6 @@ class ForcedDrafts:
             if not rows.any():
                 return plan  # until a budget covers it
             plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
-        else:
-            plan = DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
-        if self._plans not in WARM_UP_PLANS:
-            self.stats.explorations += 1
-            self._since_exploration = 0
+        self.stats.explorations += 1
+        self._since_exploration = 0
         return plan

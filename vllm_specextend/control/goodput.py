@@ -37,7 +37,7 @@ from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
-from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP_PLANS, ForcedDrafts
+from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP, ForcedDrafts
 from vllm_specextend.control.kernel_state import (
     ChoiceSettings,
     PlanSettings,
@@ -62,7 +62,7 @@ from vllm_specextend.control.plan_kernels import (
 )
 
 __all__ = [
-    "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "WARM_UP_PLANS", "AcceptanceEstimates",
+    "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "WARM_UP", "AcceptanceEstimates",
     "ControlParameters", "DraftPlan", "GoodputController", "StepCostModel", "StepOutcome",
     "choose_draft_lengths", "step_features",
 ]
@@ -131,6 +131,8 @@ class GoodputController(ForcedDrafts):
         self._last_catch_up_tokens = 0
         self._catch_up_timed = False
         self._plans = 0
+        self._warm_up_plans = 0
+        """``WARM_UP`` plans made (plans with decoding rows count)."""
         self._since_exploration = 0
         self._prompt_budget = 0.0
         """Seconds of draft prefill the engine may spend on prompts it would
@@ -246,7 +248,7 @@ class GoodputController(ForcedDrafts):
     def _exploration_due(self) -> bool:
         """Whether :meth:`_explore` may change this plan: a warm-up plan, or
         an exploration's interval is up (otherwise it only counts the plan)."""
-        return (self._plans in WARM_UP_PLANS
+        return (self._warm_up_plans < len(WARM_UP)
                 or self._since_exploration + 1 >= self.parameters.explore_interval)
 
     def _settle(self, slots: np.ndarray, lengths: np.ndarray, chosen: np.ndarray) -> tuple:

@@ -6,6 +6,7 @@
 #   vllm_py.tar.xz  vLLM's Python tree from .venv with the stand-in ops (stage_tree.py)
 #   whl/            the cp312 wheels vLLM imports that such a machine lacks (wheels.txt)
 #   tiny-models.tar the GPU tests' tiny models, built here
+#   vllm_specextend-*.dist-info  the package's entry point, which vLLM's plugin loader reads
 # and checks, on this CPU, that the CUDA path's modules import with the stand-in
 # (import_check.py).
 set -euo pipefail
@@ -20,6 +21,8 @@ echo "[stage] wheels"
 plat=""; for n in 17 24 26 27 28 31 34 35; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $plat --platform manylinux2014_x86_64 -d .vgpu/whl -r "$here/wheels.txt"
+echo "[stage] the plugin's entry point (the package itself runs from the checkout)"
+cp -r "$sp"/vllm_specextend-*.dist-info .vgpu/
 echo "[stage] tiny models"
 models=$("$venv/bin/python" -c "
 from tests.gpu.test_gpu_engine import CONFIGS, drafting
