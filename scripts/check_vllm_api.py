@@ -1,5 +1,5 @@
 """Check a vLLM release's Python sources for every name vllm-specextend uses
-(``vllm_specextend/vllm_api.py``), without installing or importing it.
+(``vllm_specextend/vllm_api/``), without installing or importing it.
 
     pip download --no-deps vllm==0.33.0 -d /tmp/vllm033
     python scripts/check_vllm_api.py /tmp/vllm033/vllm-0.33.0-*.whl

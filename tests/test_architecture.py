@@ -1,7 +1,9 @@
 """The package's layers (docs/design.md, "Package layout"): imports only point down,
 counting imports inside functions and imports of a package ``__init__``; the
 two features never import each other; the shared layer and the algorithms
-import no vLLM (only the modules that hook into it do)."""
+import no vLLM (only the modules that hook into it do). No module runs past
+450 lines, no function past 80 without a comment saying why, and only
+``patches/`` swaps a class or rebinds a method on vLLM's objects."""
 
 import ast
 from pathlib import Path
@@ -113,3 +115,77 @@ def test_the_check_catches_upward_and_package_imports(tmp_path, source):
     fake.write_text(source)
     with pytest.raises(AssertionError, match="imports"):
         check_imports_point_down("vllm_specextend.common.fake", fake)
+
+
+# ---- sizes, and where vLLM's objects are changed ----------------------------------
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTION_REASON = "# Over 80 lines"
+"""The comment, on the line above a longer function, that says why it is long."""
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_no_module_runs_past_450_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, (
+        f"{module_name(path)} has {lines} lines: split it by concern")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_no_function_runs_past_80_lines_without_a_reason(path):
+    source = path.read_text().splitlines()
+    for node in ast.walk(ast.parse("\n".join(source))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            reason = source[first - 2].strip().startswith(LONG_FUNCTION_REASON)
+            assert length <= MAX_FUNCTION_LINES or reason, (
+                f"{path.name}:{node.lineno} {node.name} has {length} lines and no "
+                f"'{LONG_FUNCTION_REASON} ...' comment above it saying why")
+
+
+PATCHES = "vllm_specextend.patches"
+
+
+def swaps_outside_patches(path: Path) -> list[str]:
+    """Where the file assigns an object's ``__class__``, rebinds a method of
+    another object to a function it defines (``manager.capture = f``), or
+    does either through ``setattr``: what only ``patches/`` may do to vLLM."""
+    tree = ast.parse(path.read_text())
+    local_functions = {node.name for node in ast.walk(tree)
+                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if not isinstance(target, ast.Attribute):
+                    continue
+                rebinds = (isinstance(node.value, ast.Name)
+                           and node.value.id in local_functions
+                           and not (isinstance(target.value, ast.Name)
+                                    and target.value.id in ("self", "cls")))
+                if target.attr == "__class__" or rebinds:
+                    found.append(f"{path.name}:{node.lineno} assigns {target.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "setattr"):
+            found.append(f"{path.name}:{node.lineno} calls setattr")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_only_the_patches_swap_classes_or_rebind_methods(path):
+    if module_name(path).startswith(PATCHES):
+        return
+    assert swaps_outside_patches(path) == []
+
+
+@pytest.mark.parametrize("source", [
+    "def f(layer, cls):\n    layer.impl.__class__ = cls\n",
+    "def f(manager):\n    def replay(desc):\n        pass\n    manager.run_fullgraph = replay\n",
+    "def f(owner, wrapper):\n    setattr(owner, 'forward', wrapper)\n",
+])
+def test_the_swap_check_catches_class_swaps_and_rebinding(tmp_path, source):
+    fake = tmp_path / "fake.py"
+    fake.write_text(source)
+    assert swaps_outside_patches(fake)

@@ -23,6 +23,9 @@ def test_register_is_idempotent_and_wraps_each_seam_once():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (
+        TargetDependentARSpeculator,
+    )
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -32,6 +35,9 @@ def test_register_is_idempotent_and_wraps_each_seam_once():
     assert VllmConfig.use_v2_model_runner.fget._specextend_wrapped
     assert GPUModelRunner.__init__._specextend_wrapped
     assert GPUModelRunnerV2.__init__._specextend_wrapped
+    assert GPUModelRunner.initialize_kv_cache._specextend_wrapped
+    assert GPUModelRunnerV2.initialize_kv_cache._specextend_wrapped
+    assert TargetDependentARSpeculator.init_cudagraph_manager._specextend_wrapped
     assert Worker.determine_available_memory._specextend_wrapped
     assert CPUWorker.determine_available_memory._specextend_wrapped
     assert not getattr(CPUWorker.determine_available_memory.__wrapped__, "_specextend_wrapped", False)
@@ -95,9 +101,11 @@ def test_when_imported_runs_after_import_and_for_loaded_modules(tmp_path, monkey
 
 
 def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypatch):
+    import pickle
+
     from tests.common.test_engine_setup import engine_config
-    from vllm_specextend import patches
     from vllm_specextend.common import engine_setup
+    from vllm_specextend.patches import engine_construction
 
     calls = []
     resolve = engine_setup.resolve_setup
@@ -105,14 +113,27 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
                         or resolve(config))
     # Resolved at engine construction, kept on the config for every reader.
     ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
+    assert len(calls) == 1
     engine = types.SimpleNamespace(vllm_config=ours)
-    setup = patches.engine_setup(engine)
-    assert patches.engine_setup(engine) is setup and len(calls) == 1
+    setup = engine_construction.engine_setup(engine)
+    assert engine_construction.engine_setup(engine) is setup and len(calls) == 1
     assert setup.config.top_k_chunks == 3 and setup.num_speculative_tokens == 3
     assert setup.steps_in_flight == ours.max_concurrent_batches
-    stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
-    assert patches.engine_setup(stock) is None and patches.engine_setup(stock) is None
+    # An engine core's or a worker's copy (pickled): its construction step
+    # resolves it once, to the same set-up; its readers only read.
+    copy = pickle.loads(pickle.dumps(ours))
+    assert not engine_setup.is_kept(copy)
+    assert engine_setup.keep_setup(copy) == setup and len(calls) == 2
+    assert engine_setup.keep_setup(copy) == engine_setup.kept_setup(copy) == setup
     assert len(calls) == 2
+    stock = types.SimpleNamespace(vllm_config=engine_config(target_model, draft_model))
+    assert engine_construction.engine_setup(stock) is None
+    assert engine_construction.engine_setup(stock) is None
+    assert len(calls) == 3
+    # A config vLLM built without EngineArgs: no reader resolves it.
+    built_by_hand = types.SimpleNamespace(vllm_config=object())
+    assert engine_construction.engine_setup(built_by_hand) is None
+    assert len(calls) == 3
 
 
 def test_wrap_once_wraps_methods_and_properties_once():
@@ -143,7 +164,7 @@ def test_vllms_kernel_overrides_register_beside_our_compiled_loops():
     """numba (our compiled host loops) loads llvmlite, whose FFI module
     answers every attribute; vLLM's ``register_kernels`` reads one of every
     module attribute, and the CPU platform calls it at every worker's start.
-    Without the plugin's patch (``patches._patch_kernel_dispatcher``) this
+    Without the plugin's patch (``patches/cpu_sampler.py``, ``patch_kernel_dispatcher``) this
     fails with "'_lib_fn_wrapper' object has no attribute 'get'"."""
     import llvmlite.binding.ffi  # noqa: F401 (as numba loads it)
 

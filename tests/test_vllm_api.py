@@ -1,4 +1,4 @@
-"""The vLLM API the package relies on (``vllm_specextend/vllm_api.py``), checked
+"""The vLLM API the package relies on (``vllm_specextend/vllm_api/``), checked
 against the installed vLLM's sources with ``ast``: an upgrade that renames,
 moves or re-signs anything the package imports, subclasses, wraps, swaps or
 reads fails here, not in production. ``scripts/check_vllm_api.py`` runs the
@@ -18,7 +18,7 @@ from vllm_specextend import vllm_api
 from vllm_specextend.vllm_api import MANIFEST, Expect, VllmSources, check
 
 INSTALLED = Path(vllm.__file__).resolve().parents[1]
-PACKAGE = Path(vllm_api.__file__).resolve().parent
+PACKAGE = Path(vllm_api.__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

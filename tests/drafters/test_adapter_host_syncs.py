@@ -23,6 +23,7 @@ from vllm_specextend.common.engine_setup import SETUP_ATTRIBUTE, EngineSetup
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.drafters.v1_overrides import V1Overrides
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 
 META = torch.device("meta")
 
@@ -173,6 +174,7 @@ def set_up(method: str, draft_window: int) -> Proposer:
         num_blocks=MAX_REQS * MAX_BLOCKS,
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
     retrieval.bind_kv_cache(kv_cache_config, BLOCK_SIZE, draft)
+    hook_attention_impls(retrieval)  # as the runner's KV cache set-up
     return proposer
 
 
@@ -332,6 +334,7 @@ def test_mrv2_proposals_never_wait_for_the_device(target_model, draft_model, mon
             num_blocks=512,
             kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
         spec.set_attn(None, kv_cache_config, block_tables, None, None)
+        hook_attention_impls(spec.retrieval)
         for batch in meta_batches:
             spec.propose(batch, {}, {}, None, None, torch.ones(3, device=META), num_rejected)
         spec.retrieval.metrics_snapshot()

@@ -37,6 +37,7 @@ from vllm_specextend.common.engine_setup import EngineSetup
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.control.goodput import DraftPlan
 from vllm_specextend.drafters.v1_overrides import V1Overrides
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 
 CPU = torch.device("cpu")
 RECENT_TOKENS = 64
@@ -76,6 +77,7 @@ def set_up() -> Proposer:
         num_blocks=MAX_REQS * MAX_BLOCKS,
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
     proposer.retrieval.bind_kv_cache(kv_cache_config, BLOCK_SIZE)
+    hook_attention_impls(proposer.retrieval)  # as the runner's KV cache set-up
     return proposer
 
 

@@ -11,6 +11,7 @@ import torch
 from tests.common.test_engine_setup import capped_draft, engine_config
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.engine_utils import run_engine
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
@@ -57,8 +58,8 @@ def test_explicit_choices_are_kept(target_model, draft_model, monkeypatch):
 
 
 def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft_model):
-    from vllm_specextend import patches
     from vllm_specextend.drafters.mrv2_draft_model import SpecExtendStandaloneARSpeculator
+    from vllm_specextend.patches.model_runners import patch_model_runner_v2_init
 
     module = types.ModuleType("model_runner_v2")
     module.init_speculator = lambda vllm_config, device, req_states: "stock speculator"
@@ -68,7 +69,7 @@ def test_runner_v2_builds_our_speculator_then_restores_vllms(target_model, draft
             self.speculator = module.init_speculator(vllm_config, device, None)
 
     module.GPUModelRunner = GPUModelRunner
-    patches._patch_model_runner_v2_init(module)
+    patch_model_runner_v2_init(module)
     cpu = torch.device("cpu")
     ours = GPUModelRunner(engine_config(target_model, draft_model, spec_extend={}), cpu)
     assert isinstance(ours.speculator, SpecExtendStandaloneARSpeculator)
@@ -117,6 +118,7 @@ def speculator(target_model, draft_model, monkeypatch):
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])],
     )
     spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    hook_attention_impls(spec.retrieval)  # as the runner's KV cache set-up
     return spec
 
 
@@ -270,6 +272,7 @@ def test_compact_positions_shift_each_token_by_its_row(target_model, draft_model
         num_blocks=512,
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
     spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    hook_attention_impls(spec.retrieval)  # as the runner's KV cache set-up
     assert spec.retrieval.compact_positions
     seen = []
     monkeypatch.setattr(StandaloneARSpeculator, "_run_model",

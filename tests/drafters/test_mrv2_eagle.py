@@ -13,6 +13,10 @@ from tests.common.test_engine_setup import engine_config
 from tests.drafters.fakes import FakeAttention, input_batch
 from tests.drafters.test_mrv2_draft_model import BLOCK_SIZE, simulate_gpu
 from tests.engine_utils import run_engine
+from vllm_specextend.patches.drafter_instances import (
+    hook_attention_impls,
+    route_cudagraph_managers,
+)
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
@@ -145,6 +149,7 @@ def build_speculator(method, monkeypatch, draft_window=None):
     with set_current_vllm_config(config):
         spec.model = torch.nn.ModuleDict({"rotary_emb": get_rope(FakeAttention.head_size, MAX_MODEL_LEN)})
     spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    hook_attention_impls(spec.retrieval)  # as the runner's KV cache set-up
     spec.sample_draft = lambda hidden_states, *args: torch.full(
         (hidden_states.shape[0],), 7, dtype=torch.int64)
     spec.forwards = []
@@ -268,7 +273,7 @@ def test_cuda_graphs_see_the_compacted_buffers(speculator):
     speculator.prefill_cudagraph_manager = types.SimpleNamespace(run_fullgraph=replays.append)
     speculator.decode_cudagraph_manager = types.SimpleNamespace(
         capture=capture, specialize_spec_tokens=lambda desc, num_speculative_tokens: desc)
-    speculator._route_graphs_through_retrieval()
+    route_cudagraph_managers(speculator)  # as init_cudagraph_manager's patch
     speculator.decode_cudagraph_manager.capture(None, None, speculator.input_buffers,
                                                 speculator.block_tables)
     assert captured["seq_lens"] is speculator._compact_seq_lens
@@ -306,9 +311,9 @@ def test_cuda_graphs_see_the_compacted_buffers(speculator):
 def test_heads_in_model_runner_v2_get_our_speculators(target_model, monkeypatch):
     from tests.common.test_engine_setup import eagle_config
     from tests.tiny_models import TARGET_QWEN2, build_mtp_target
-    from vllm_specextend import patches
     from vllm_specextend.drafters.mrv2_eagle import SpecExtendEagleSpeculator
     from vllm_specextend.drafters.mrv2_mtp import SpecExtendMTPSpeculator
+    from vllm_specextend.patches.model_runners import patch_model_runner_v2_init
 
     module = types.ModuleType("model_runner_v2")
     module.init_speculator = lambda vllm_config, device, req_states: "stock speculator"
@@ -318,7 +323,7 @@ def test_heads_in_model_runner_v2_get_our_speculators(target_model, monkeypatch)
             self.speculator = module.init_speculator(vllm_config, device, None)
 
     module.GPUModelRunner = GPUModelRunner
-    patches._patch_model_runner_v2_init(module)
+    patch_model_runner_v2_init(module)
     simulate_gpu(monkeypatch, v2_env=True)
     head = eagle_config(target_model, "eagle3")
     mtp = engine_config(build_mtp_target(TARGET_QWEN2), spec_extend={},

@@ -22,6 +22,7 @@ from tests.drafters.test_mrv2_eagle import (
     prepare_prefill_inputs,
     update_draft_inputs,
 )
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 
 K = 3
@@ -176,6 +177,7 @@ def set_attn(spec):
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])],
     )
     spec.set_attn(None, kv_cache_config, block_tables, None, None)
+    hook_attention_impls(spec.retrieval)  # as the runner's KV cache set-up
 
 
 

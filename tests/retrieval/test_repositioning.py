@@ -9,6 +9,7 @@ and forward to compact positions, as DraftRetrieval does after a retrieval.
 import pytest
 import torch
 
+from vllm_specextend.patches.drafter_instances import swap_impl_class
 from vllm_specextend.retrieval.draft_kv_copy import DraftKVCopy, install_draft_kv_copy
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table
 from vllm_specextend.retrieval.repositioning import (
@@ -97,7 +98,7 @@ def test_attention_over_repositioned_working_cache_equals_dense_compact_referenc
     layer = FakePagedLayer(num_slots + area_blocks * BLOCK)
     copy = DraftKVCopy(["draft.0"], num_slots, KV_HEADS, HEAD_DIM, layout,
                        max_num_tokens=context, dtype=torch.float32, device=torch.device("cpu"))
-    install_draft_kv_copy({"draft.0": layer}, copy)
+    swap_impl_class(layer, install_draft_kv_copy({"draft.0": layer}, copy)["draft.0"])
     _, written_keys = apply_rope(rope, torch.arange(context), torch.zeros(context, HEADS, HEAD_DIM), raw_keys)
     copy.token_positions[:context] = torch.arange(context)
     layer.impl.do_kv_cache_update(layer, written_keys, values, layer.kv_cache, slots)

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vllm_specextend.patches.drafter_instances import swap_impl_class
 from vllm_specextend.retrieval.draft_kv_copy import (
     WORKSPACE_WINDOWS,
     DraftKVCopy,
@@ -97,7 +98,8 @@ def owner_with_copy(workspace=None):
     copy = DraftKVCopy(sorted(layers), num_slots, KV_HEADS, HEAD_DIM, layout(),
                        max_num_tokens=64, dtype=torch.float32, device=torch.device("cpu"),
                        workspace=workspace)
-    install_draft_kv_copy(layers, copy)
+    for name, hooked in install_draft_kv_copy(layers, copy).items():
+        swap_impl_class(layers[name], hooked)
     copy.keys[:, :num_slots] = torch.randn(2, num_slots, KV_HEADS, HEAD_DIM)
     copy.values[:, :num_slots] = torch.randn(2, num_slots, KV_HEADS, HEAD_DIM)
     return SimpleNamespace(kv_copy=copy, draft_window=WINDOW, block_size=BLOCK,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dense_reference import attention_scores, chunk_scores, context_keys
+from vllm_specextend.patches.drafter_instances import hook_attention_impls
 from vllm_specextend.retrieval.kernels.selection import rewrite_block_table, select_blocks
 
 
@@ -94,6 +95,7 @@ def _tensor_parallel_rank(rank: int, port: int, q: torch.Tensor, k: torch.Tensor
         types.SimpleNamespace(layer_names=list(retrieval.draft_layers)
                               + ["model.layers.0.self_attn.attn"])])
     retrieval.bind_kv_cache(kv_cache_config, TP_BLOCK_SIZE)
+    hook_attention_impls(retrieval)  # as the runner's KV cache set-up
     heads, kv_heads = slice(4 * rank, 4 * rank + 4), slice(2 * rank, 2 * rank + 2)
     batch, slots, keys, queries = tensor_parallel_step(k[:, :, kv_heads], q[:, :, heads])
     # The target's forward over the context and the step: the tap records.

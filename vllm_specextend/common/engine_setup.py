@@ -7,9 +7,12 @@ the remedy: retrieval never silently turns into plain drafting.
 Engine construction (``patches.py``, ``EngineArgs.create_engine_config``)
 runs three steps, in this order: :func:`requested_config` checks the user's
 options on their own; :func:`adjust_engine_args` / :func:`adjust_vllm_config`
-are the only code that changes vLLM's config; :func:`kept_setup` checks the
-options against vLLM's config (:func:`resolve_setup`) and keeps the result
-for every reader of that config.
+are the only code that changes vLLM's config; :func:`keep_setup` checks the
+options against vLLM's config (:func:`resolve_setup`), once, and keeps the
+result for the readers of that config. The engine core and worker processes
+get the config pickled and keep their copy's set-up once, at their first
+construction step; a model runner hands its set-up to the drafter it builds
+(``SETUP_ATTRIBUTE``). No reader resolves or raises after construction.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def resolve_setup(vllm_config: Any) -> EngineSetup | None:
     """The validated set-up of an engine, or None when SpecExtend is off.
 
     Pure: it reads vLLM's config and changes nothing (``adjust_*`` did
-    that before). Readers call :func:`kept_setup`, which calls this once
-    per config and process.
+    that before). Called once per engine, by :func:`keep_setup` at its
+    construction; readers take the result from :func:`kept_setup`.
 
     Raises:
         SpecExtendConfigError: options that SpecExtend cannot honour.
@@ -167,24 +170,43 @@ def _check_features(vllm_config: Any, config: SpecExtendConfig, method: str) -> 
 
 
 _KEPT_SETUPS: dict[int, EngineSetup | None] = {}
-"""Resolved set-ups by ``id`` of their live ``VllmConfig`` (see :func:`kept_setup`)."""
+"""Resolved set-ups by ``id`` of their live ``VllmConfig``, in this process."""
 
 
-def kept_setup(vllm_config: Any) -> EngineSetup | None:
-    """The engine's set-up: resolved at the first read of this ``VllmConfig``
-    in this process (engine construction, in the process that builds the
-    engine) and kept for every later reader of the same config.
+def keep_setup(vllm_config: Any) -> EngineSetup | None:
+    """Resolve the engine's set-up (:func:`resolve_setup`) once per config
+    and process, where the config is built, and keep it for the readers of
+    that config; the kept one when there is one. Raises what
+    :func:`resolve_setup` raises.
 
-    Kept beside the config, not on it: vLLM's ``config.utils.replace`` (the
+    Called only where an engine is constructed: by the front end in
+    ``EngineArgs.create_engine_config`` (any bad input is refused there),
+    and, since vLLM pickles the config into the engine core and worker
+    processes, by their first construction step for their copy (the engine
+    core's KV cache set-up, each model runner's ``__init__``): the same
+    inputs give the same set-up. Readers after construction take the kept
+    one (:func:`kept_setup`), or the one a runner was handed.
+
+    Kept beside the config, not on it: vLLM's ``config.utils.replace`` (a
     drafter's config is one) refuses attributes that are not fields, and
-    ``additional_config`` is hashed as JSON. The engine core and the workers
-    get the config pickled, so each of their processes resolves it once more
-    (the same inputs, the same result), at its first reader."""
+    ``additional_config`` is hashed as JSON."""
     key = id(vllm_config)
     if key not in _KEPT_SETUPS:
         _KEPT_SETUPS[key] = resolve_setup(vllm_config)
         weakref.finalize(vllm_config, _KEPT_SETUPS.pop, key, None)
     return _KEPT_SETUPS[key]
+
+
+def is_kept(vllm_config: Any) -> bool:
+    """Whether construction has resolved ``vllm_config``'s set-up in this process."""
+    return id(vllm_config) in _KEPT_SETUPS
+
+
+def kept_setup(vllm_config: Any) -> EngineSetup | None:
+    """The set-up :func:`keep_setup` kept for ``vllm_config`` (None:
+    SpecExtend is off). A read: it never resolves, so it never raises for a
+    config construction has been through."""
+    return _KEPT_SETUPS[id(vllm_config)]
 
 
 def full_decode_graph_query_len(vllm_config: Any) -> int | None:

@@ -75,7 +75,9 @@ class MRV2Overrides(DrafterFeatures):
         super().__init__(vllm_config, device)
         self.requests = RequestSlots(self.max_num_reqs)
         self.retrieval = DraftRetrieval(
-            setup or kept_setup(vllm_config),
+            # Handed over by the runner's init_speculator (patches/); else
+            # the one construction kept for the config.
+            setup if setup is not None else kept_setup(vllm_config),
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             # A draft model's step 0 adds a correction token per row.

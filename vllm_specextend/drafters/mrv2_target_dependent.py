@@ -13,7 +13,9 @@ What differs from a draft model is the first pass and CUDA graphs:
   outside the graph and take the compacted build);
 - decode-step graphs are captured over the persistent compacted buffers
   (``_compact_seq_lens``, the compacted block table), which every step
-  stages, and the fused path maps the compacted table before replaying;
+  stages, and the fused path maps the compacted table before replaying
+  (the graph managers' methods this takes, :meth:`cudagraph_manager_routes`,
+  are rebound by ``patches/drafter_instances.py``);
 - with compact positions the forward reads shifted positions from an overlay
   of ``input_buffers``, while MRV2's kernels advance the original ones (slot
   mappings, sampling keys).
@@ -21,6 +23,7 @@ What differs from a draft model is the first pass and CUDA graphs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,22 +106,13 @@ class MRV2TargetDependentOverrides(MRV2Overrides):
 
     # ---- CUDA graphs ------------------------------------------------------
 
-    @override
-    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        super().init_cudagraph_manager(cudagraph_mode)
-        self._route_graphs_through_retrieval()
-
-    def _route_graphs_through_retrieval(self) -> None:
-        """Step-0 graph replays of compacted steps run eagerly; decode graphs
-        are captured over the compacted buffers.
-
-        Why rebinding the managers' methods: vLLM builds both managers inside
-        ``init_cudagraph_manager`` (``target_dependent_ar/speculator.py:91-107``,
-        with a graph mode it derives there) and calls ``run_fullgraph`` and
-        ``capture`` from ``propose`` and ``capture`` (``:129``, ``:151``, ``:280``),
-        passing ``self.input_buffers`` / ``self.block_tables`` to the decode
-        capture; no parameter or factory lets a subclass choose the buffers or
-        the replay."""
+    def cudagraph_manager_routes(self) -> list[tuple[Any, str, Callable]]:
+        """What ``init_cudagraph_manager`` just built must run instead, as
+        ``(manager, method name, replacement)``: step-0 graph replays of
+        compacted steps run eagerly; decode graphs are captured over the
+        compacted buffers. ``patches/drafter_instances.py`` rebinds them
+        (and says why a rebinding)."""
+        routes: list[tuple[Any, str, Callable]] = []
         prefill, decode = self.prefill_cudagraph_manager, self.decode_cudagraph_manager
         if prefill is not None:
             stock_replay = prefill.run_fullgraph
@@ -132,7 +126,7 @@ class MRV2TargetDependentOverrides(MRV2Overrides):
                 self._prefill(input_batch.num_reqs, batch_desc.num_tokens, attn_metadata,
                               slot_mappings, num_tokens_across_dp=None, mm_inputs=mm_inputs)
 
-            prefill.run_fullgraph = run_step0_graph
+            routes.append((prefill, "run_fullgraph", run_step0_graph))
         if decode is not None:
             stock_capture = decode.capture
 
@@ -143,7 +137,8 @@ class MRV2TargetDependentOverrides(MRV2Overrides):
                 return stock_capture(forward_fn, model_state, self._compacted_input_buffers(),
                                      self._compacted_block_tables(), *args, **kwargs)
 
-            decode.capture = capture_over_compacted_buffers
+            routes.append((decode, "capture", capture_over_compacted_buffers))
+        return routes
 
     @override
     def _fused_multi_step_decode(self, *args, **kwargs) -> None:

@@ -38,7 +38,6 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_specextend.common.engine_setup import (
     SETUP_ATTRIBUTE,
     full_decode_graph_query_len,
-    kept_setup,
 )
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
@@ -55,7 +54,8 @@ class V1Overrides(DrafterFeatures):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        setup = getattr(runner, SETUP_ATTRIBUTE, None) or kept_setup(vllm_config)
+        # Handed over by the runner that builds this drafter (patches.py).
+        setup = getattr(runner, SETUP_ATTRIBUTE)
         self.runner = runner
         self.requests = RequestSlots(self.max_batch_size)
         self.retrieval: DraftRetrieval | None = None

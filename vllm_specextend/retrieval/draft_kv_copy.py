@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specextend.retrieval.layer_hooks import swap_impl_class
+from vllm_specextend.retrieval.layer_hooks import impl_subclass
 from vllm_specextend.retrieval.repositioning import (
     RotaryLayout,
     rotate_keys,
@@ -163,12 +163,18 @@ class DraftKVCopy:
                 impl.stock_do_kv_cache_update(layer, rotated, values, layer.kv_cache, target)
 
 
-def install_draft_kv_copy(layers: dict[str, torch.nn.Module], copy: DraftKVCopy) -> None:
-    """Make each draft layer's KV writes also feed ``copy``."""
+def install_draft_kv_copy(
+    layers: dict[str, torch.nn.Module], copy: DraftKVCopy
+) -> dict[str, type]:
+    """Give each draft layer's impl ``copy`` to feed; per layer name, the
+    class the impl needs to feed it on every KV write
+    (``patches/drafter_instances.py`` assigns it)."""
+    classes = {}
     for name, layer in layers.items():
-        swap_impl_class(layer, "SpecExtendCopied", _make_copied_class)
         layer.impl._specextend_kv_copy = copy
         layer.impl._specextend_layer_name = name
+        classes[name] = impl_subclass(type(layer.impl), "SpecExtendCopied", _make_copied_class)
+    return classes
 
 
 def _make_copied_class(base: type) -> type:

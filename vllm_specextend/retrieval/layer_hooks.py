@@ -2,9 +2,10 @@
 cache group it shares with the draft, and the impl subclasses that feed the
 tap (target) and the plain draft KV copy (draft).
 
-A hooked layer's ``impl`` gets a direct subclass of its own class (assigned to
-``impl.__class__``), made once per base class: instance-level, so stock layers
-of other engines in the process are untouched.
+A hooked layer's ``impl`` needs a direct subclass of its own class, made here
+once per base class (:func:`impl_subclass`); ``patches/drafter_instances.py``
+assigns it to that one impl (``impl.__class__``), so stock layers of other
+engines in the process are untouched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from vllm_specextend.retrieval.target_tap import TargetAttentionTap
 
-_SWAPPED_CLASSES: dict[tuple[str, type], type] = {}
+_IMPL_SUBCLASSES: dict[tuple[str, type], type] = {}
 
 
 def last_target_layer(
@@ -73,8 +74,9 @@ def tap_target_layer(
     max_num_tokens: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> TargetAttentionTap:
-    """A tap sized for ``num_slots`` KV slots, installed on ``layer``."""
+) -> tuple[TargetAttentionTap, type]:
+    """A tap sized for ``num_slots`` KV slots, installed on ``layer``, and
+    the class ``layer.impl`` needs to feed it (:func:`install_tap`)."""
     tap = TargetAttentionTap(
         num_slots=num_slots,
         max_num_tokens=max_num_tokens,
@@ -85,44 +87,33 @@ def tap_target_layer(
         dtype=dtype,
         device=device,
     )
-    install_tap(layer, tap)
-    return tap
+    return tap, install_tap(layer, tap)
 
 
-def install_tap(layer: torch.nn.Module, tap: TargetAttentionTap) -> None:
-    """Make ``layer.impl`` feed ``tap`` on every forward."""
+def install_tap(layer: torch.nn.Module, tap: TargetAttentionTap) -> type:
+    """Give ``layer.impl`` the ``tap`` to feed; the class it needs to feed it
+    on every forward (``patches/drafter_instances.py`` assigns it)."""
     _require_separate_kv_update(layer)
-    swap_impl_class(layer, "SpecExtendTapped", _make_tapped_class)
     layer.impl._specextend_tap = tap
+    return impl_subclass(type(layer.impl), "SpecExtendTapped", _make_tapped_class)
 
 
-def swap_impl_class(
-    layer: torch.nn.Module, prefix: str, make_class: Callable[[type], type]
-) -> None:
-    """Give ``layer.impl`` the subclass ``make_class(type(impl))``, made once
-    per base class and prefix.
+def impl_subclass(base: type, prefix: str, make_class: Callable[[type], type]) -> type:
+    """``make_class(base)``, named ``prefix + base``, made once per base class
+    and prefix; ``base`` itself when it is already one.
 
-    A direct subclass of the impl's class is assigned to ``impl.__class__``
-    (a class with a mixin base fails with "object layout differs").
-
-    Why a swap: vLLM builds the impl inside ``Attention.__init__``
-    (``model_executor/layers/attention/attention.py:419-420``,
-    ``impl_cls = self.attn_backend.get_impl_cls(); self.impl = impl_cls(...)``)
-    while the model is constructed, with no hook to choose a class per layer,
-    and only model load tells which layer is tapped; a wrapper object instead
-    would break vLLM's ``isinstance`` checks on the impl. The swap is
-    per-instance and installed by retrieval at KV cache set-up, not a patch
-    of vLLM's classes (``patches.py``).
-    """
-    base = type(layer.impl)
+    A direct subclass of the impl's own class, because that is what
+    ``impl.__class__`` can be assigned (a class with a mixin base fails with
+    "object layout differs"); why an assignment at all, in
+    ``patches/drafter_instances.py``."""
     if base.__name__.startswith(prefix):
-        return
-    swapped = _SWAPPED_CLASSES.get((prefix, base))
-    if swapped is None:
-        swapped = make_class(base)
-        swapped.__name__ = f"{prefix}{base.__name__}"
-        _SWAPPED_CLASSES[(prefix, base)] = swapped
-    layer.impl.__class__ = swapped
+        return base
+    subclass = _IMPL_SUBCLASSES.get((prefix, base))
+    if subclass is None:
+        subclass = make_class(base)
+        subclass.__name__ = f"{prefix}{base.__name__}"
+        _IMPL_SUBCLASSES[(prefix, base)] = subclass
+    return subclass
 
 
 def _require_separate_kv_update(layer: torch.nn.Module) -> None:

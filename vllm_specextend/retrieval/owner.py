@@ -7,7 +7,9 @@ it at three points of its life:
   attention layer, and size scoring's workspace before vLLM measures memory;
 - KV cache set-up (:meth:`~DraftRetrieval.bind_kv_cache`): check the shared
   KV cache group, install the tap (and, with compact positions, the plain
-  draft KV copy), size the planner's state;
+  draft KV copy), size the planner's state; the impl classes that feed them
+  (``impl_classes``) are assigned by ``patches/drafter_instances.py`` once
+  the runner's KV cache set-up returns;
 - every proposal (:meth:`~DraftRetrieval.plan`): plan the draft's view of the
   KV cache and re-position the working caches whose selection changed.
 
@@ -100,6 +102,11 @@ class DraftRetrieval:
         self.kv_cache_gid = -1
         self.block_size = -1
         self.kv_copy: DraftKVCopy | None = None
+        self.impl_classes: dict[str, tuple[torch.nn.Module, type]] = {}
+        """Per hooked layer: the layer and the class its ``impl`` needs to feed
+        the tap or the plain draft KV copy, set by :meth:`bind_kv_cache`;
+        ``patches/drafter_instances.py`` assigns them after the runner's KV
+        cache set-up."""
         self.repositioning_workspace: RepositioningWorkspace | None = None
         self.max_num_reqs = max_num_reqs
 
@@ -173,9 +180,10 @@ class DraftRetrieval:
         self.kv_cache_gid = self.kv_cache_group(kv_cache_config)
         self.block_size = block_size
         num_slots = kv_cache_config.num_blocks * block_size
-        tap = tap_target_layer(
+        tap, tapped = tap_target_layer(
             self.target_layer, num_slots, self.max_num_tokens, self.dtype, self.device
         )
+        self.impl_classes[self.target_layer_name] = (self.target_layer, tapped)
         self.planner.bind_kv_cache(tap, block_size, self._private_layouts(kv_cache_config))
         config = self.config
         logger.info(
@@ -236,7 +244,9 @@ class DraftRetrieval:
             device=self.device,
             workspace=self.repositioning_workspace,
         )
-        install_draft_kv_copy(self.draft_layers, self.kv_copy)
+        copied = install_draft_kv_copy(self.draft_layers, self.kv_copy)
+        self.impl_classes.update(
+            (name, (self.draft_layers[name], cls)) for name, cls in copied.items())
         bytes_per_token = self._kv_copy_bytes_per_token()
         logger.info(
             "SpecExtend: compact draft positions (window %d); plain draft KV copy "

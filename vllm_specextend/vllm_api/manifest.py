@@ -1,33 +1,14 @@
-"""Every vLLM name this package imports, subclasses, wraps, swaps or reads, and
-a check that a vLLM source tree still has each one as the package expects.
+"""The manifest: every vLLM name this package imports, subclasses, wraps,
+swaps or reads, with why (:class:`Expect`; the kinds are listed in the
+package docstring).
 
-The check reads the sources with :mod:`ast` (nothing is imported), so it runs
-against the installed vLLM (``tests/test_vllm_api.py``) and against a release
-that is not installed, e.g. a downloaded GPU wheel
-(``scripts/check_vllm_api.py``). A class's members are looked up through its
-bases inside the tree, as Python would.
-
-Kinds of expectation:
-
-- ``module``: the module exists;
-- ``class`` / ``function``: defined (or imported) under that name in the module;
-- ``method``: a function of the class (or of a base); ``params`` must appear
-  in its signature in that order (positional parameters the package passes
-  or receives by position), ``keywords`` anywhere in it;
-- ``attribute``: readable on instances: a class-level field or assignment, a
-  property, or ``self.<name> = ...`` in one of the class's methods;
-- ``global``: a module-level name the package swaps, with ``used_in`` the
-  function that must look it up at call time (so the swap takes effect).
-
-The module is long because the manifest is one list, kept in one place so a
-vLLM upgrade is reviewed against one file; the checker itself is short.
+One list, kept in one place so that a vLLM upgrade is reviewed against one
+file; it is long for that reason.
 """
 
 from __future__ import annotations
 
-import ast
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -108,7 +89,7 @@ MANIFEST: list[Expect] = [
         Expect(module, f"{impl}.scale", "attribute", "score scale"),
     )],
     Expect("vllm.model_executor.layers.attention.attention", "Attention.impl", "attribute",
-           "its class is swapped for the tap"),
+           "its class is swapped for the tap and the plain draft KV copy"),
     *_members("vllm.model_executor.layers.attention.attention", "Attention", "attribute",
               "num_heads num_kv_heads head_size kv_cache", "tap buffers, KV copy writes"),
     *_members("vllm.model_executor.layers.attention.attention", "Attention", "method",
@@ -193,6 +174,8 @@ MANIFEST: list[Expect] = [
            used_in="GPUModelRunner.__init__"),
     Expect(V1_RUNNER, "EagleProposer", "global", "swapped while the runner is built",
            used_in="GPUModelRunner.__init__"),
+    Expect(V1_RUNNER, "GPUModelRunner.initialize_kv_cache", "method",
+           "wrapped: hooked layers' impl classes assigned after it", params=("kv_cache_config",)),
     Expect(V1_RUNNER, "GPUModelRunner._get_draft_token_ids_cpu", "method",
            "wrapped: goodput draft lengths"),
     Expect(V1_RUNNER, "GPUModelRunner._input_fits_in_drafter", "method",
@@ -235,6 +218,8 @@ MANIFEST: list[Expect] = [
            params=("vllm_config", "device")),
     Expect(MRV2_RUNNER, "init_speculator", "global", "swapped while the runner is built",
            used_in="GPUModelRunner.__init__"),
+    Expect(MRV2_RUNNER, "GPUModelRunner.initialize_kv_cache", "method",
+           "wrapped: hooked layers' impl classes assigned after it", params=("kv_cache_config",)),
     *_members(MRV2_RUNNER, "GPUModelRunner", "attribute", "speculator",
               "memory accounting, metrics"),
     *_members(MRV2_RUNNER, "GPUModelRunner", "method", "get_kv_cache_spec",
@@ -280,14 +265,14 @@ MANIFEST: list[Expect] = [
     Expect(MRV2_TD, "TargetDependentARSpeculator._run_model", "method",
            "overridden: compact positions", params=("num_tokens",)),
     Expect(MRV2_TD, "TargetDependentARSpeculator.init_cudagraph_manager", "method",
-           "overridden: graphs over the compacted buffers", params=("cudagraph_mode",)),
+           "wrapped: its managers' methods rebound after it", params=("cudagraph_mode",)),
     Expect(MRV2_TD, "TargetDependentARSpeculator._fused_multi_step_decode", "method",
            "overridden: compacted tables in replays"),
     *_members(MRV2_TD, "TargetDependentARSpeculator", "attribute",
               "prefill_cudagraph_manager decode_cudagraph_manager", "wrapped"),
     *_members("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils",
               "SpeculatorCudaGraphManager", "method", "run_fullgraph capture",
-              "wrapped on the instance"),
+              "rebound on the instance"),
     Expect("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor", "class",
            "step-0 metadata build"),
     *_members("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor", "attribute",
@@ -303,293 +288,3 @@ MANIFEST: list[Expect] = [
     *_members("vllm.v1.worker.gpu.input_batch", "InputBuffers", "attribute",
               "seq_lens positions query_start_loc", "compacted overlay, positions"),
 ]
-
-
-# ---- the check ---------------------------------------------------------------
-
-
-@dataclass
-class _Module:
-    tree: ast.Module
-    classes: dict[str, ast.ClassDef] = field(default_factory=dict)
-    functions: dict[str, ast.AST] = field(default_factory=dict)
-    imports: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """local name -> (module, name) of ``from module import name``."""
-    star_imports: list[str] = field(default_factory=list)
-    """Modules of ``from module import *``."""
-    globals: set[str] = field(default_factory=set)
-
-
-class VllmSources:
-    """A vLLM source tree (the directory that holds ``vllm/``), read with ast."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self._modules: dict[str, _Module | None] = {}
-
-    def module(self, name: str) -> _Module | None:
-        if name not in self._modules:
-            self._modules[name] = self._parse(name)
-        return self._modules[name]
-
-    def _parse(self, name: str) -> _Module | None:
-        base = self.root.joinpath(*name.split("."))
-        for path in (base.with_suffix(".py"), base / "__init__.py"):
-            if path.is_file():
-                break
-        else:
-            return None
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        module = _Module(tree)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _top_level(tree):
-            if isinstance(node, ast.ClassDef):
-                module.classes[node.name] = node
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                module.functions[node.name] = node
-            elif isinstance(node, ast.ImportFrom):
-                source = _resolve_relative(package, node.module, node.level)
-                for alias in node.names:
-                    if alias.name == "*":
-                        module.star_imports.append(source)
-                    else:
-                        module.imports[alias.asname or alias.name] = (source, alias.name)
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    local = alias.asname or alias.name.split(".")[0]
-                    module.imports[local] = (alias.name, "")
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    if isinstance(target, ast.Name):
-                        module.globals.add(target.id)
-        return module
-
-    def find_class(self, module_name: str, name: str, depth: int = 0
-                   ) -> tuple[str, ast.ClassDef] | None:
-        """The class ``name`` as seen from ``module_name`` (following imports)."""
-        module = self.module(module_name)
-        if module is None or depth > 8:
-            return None
-        if name in module.classes:
-            return module_name, module.classes[name]
-        if name in module.imports:
-            source, original = module.imports[name]
-            if original:
-                return self.find_class(source, original, depth + 1)
-        return None
-
-    def find_function(self, module_name: str, name: str, depth: int = 0) -> ast.AST | None:
-        module = self.module(module_name)
-        if module is None or depth > 8:
-            return None
-        if name in module.functions:
-            return module.functions[name]
-        if name in module.imports:
-            source, original = module.imports[name]
-            if original:
-                return self.find_function(source, original, depth + 1)
-        for source in module.star_imports:
-            found = self.find_function(source, name, depth + 1)
-            if found is not None:
-                return found
-        return None
-
-    def has_global(self, module_name: str, name: str) -> bool:
-        module = self.module(module_name)
-        if module is None:
-            return False
-        if (name in module.classes or name in module.functions or name in module.globals
-                or name in module.imports):
-            return True
-        # ``vllm.envs`` resolves its variables in a module __getattr__ from a
-        # table of names.
-        return any(isinstance(node, ast.Constant) and node.value == name
-                   for node in ast.walk(module.tree))
-
-    def mro(self, module_name: str, cls: ast.ClassDef) -> list[tuple[str, ast.ClassDef]]:
-        """The class and its bases found in the tree, depth first."""
-        seen, order, stack = set(), [], [(module_name, cls)]
-        while stack:
-            mod, node = stack.pop(0)
-            if (mod, node.name) in seen:
-                continue
-            seen.add((mod, node.name))
-            order.append((mod, node))
-            for base in node.bases:
-                base_name = base.id if isinstance(base, ast.Name) else (
-                    base.attr if isinstance(base, ast.Attribute) else None)
-                if isinstance(base, ast.Subscript) and isinstance(base.value, ast.Name):
-                    base_name = base.value.id
-                if base_name is None:
-                    continue
-                found = self.find_class(mod, base_name)
-                if found is not None:
-                    stack.append(found)
-        return order
-
-    def member(self, module_name: str, class_name: str, member: str
-               ) -> tuple[str, ast.AST] | None:
-        """``(kind, node)`` of ``class_name.member``: kind ``method``,
-        ``property``, ``field`` (class level) or ``instance`` (``self.x =``)."""
-        found = self.find_class(module_name, class_name)
-        if found is None:
-            return None
-        classes = self.mro(*found)
-        for _, cls in classes:
-            for node in cls.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                        node.name == member:
-                    decorators = {_decorator_name(d) for d in node.decorator_list}
-                    if decorators & {"property", "cached_property"}:
-                        return "property", node
-                    return "method", node
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                        and node.target.id == member:
-                    return "field", node
-                if isinstance(node, ast.Assign) and any(
-                        isinstance(t, ast.Name) and t.id == member for t in node.targets):
-                    return "field", node
-        for _, cls in classes:
-            for node in ast.walk(cls):
-                target = None
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, ast.AnnAssign):
-                    targets = [node.target]
-                else:
-                    continue
-                for target in targets:
-                    for item in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                        if (isinstance(item, ast.Attribute) and item.attr == member
-                                and isinstance(item.value, ast.Name)
-                                and item.value.id == "self"):
-                            return "instance", node
-        return None
-
-
-def _top_level(tree: ast.Module):
-    """Module-level statements, including those under ``if``/``try`` blocks."""
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop(0)
-        yield node
-        if isinstance(node, (ast.If, ast.Try)):
-            stack[:0] = [*node.body, *getattr(node, "orelse", []),
-                         *[s for h in getattr(node, "handlers", []) for s in h.body],
-                         *getattr(node, "finalbody", [])]
-
-
-def _resolve_relative(package: str, module: str | None, level: int) -> str:
-    if level == 0:
-        return module or ""
-    parts = package.split(".")
-    base = parts[: len(parts) - (level - 1)]
-    return ".".join(base + ([module] if module else []))
-
-
-def _decorator_name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    if isinstance(node, ast.Call):
-        return _decorator_name(node.func)
-    return ""
-
-
-def _parameters(function: ast.AST) -> tuple[list[str], set[str], bool]:
-    """(positional parameter names without ``self``, every name, has **kwargs)."""
-    args = function.args  # type: ignore[attr-defined]
-    positional = [a.arg for a in [*args.posonlyargs, *args.args]]
-    if positional and positional[0] in ("self", "cls"):
-        positional = positional[1:]
-    names = set(positional) | {a.arg for a in args.kwonlyargs}
-    return positional, names, args.kwarg is not None
-
-
-def _check_signature(expect: Expect, function: ast.AST) -> str | None:
-    positional, names, _ = _parameters(function)
-    if expect.params and positional[: len(expect.params)] != list(expect.params):
-        return (f"parameters start {positional[: len(expect.params) + 2]}, expected "
-                f"{list(expect.params)}")
-    missing = [k for k in expect.keywords if k not in names]
-    if missing:
-        return f"no parameter(s) {missing} (has {sorted(names)})"
-    return None
-
-
-def _references(function: ast.AST, name: str) -> bool:
-    return any(isinstance(node, ast.Name) and node.id == name for node in ast.walk(function))
-
-
-def check(sources: VllmSources, manifest: list[Expect] = MANIFEST) -> list[str]:
-    """One line per expectation the tree does not meet (empty: all met)."""
-    problems = []
-    for expect in manifest:
-        problem = _check_one(sources, expect)
-        if problem is not None and not expect.optional:
-            problems.append(f"{expect.module}.{expect.name} ({expect.kind}; {expect.why}): "
-                            f"{problem}")
-    return problems
-
-
-def _check_one(sources: VllmSources, expect: Expect) -> str | None:
-    if sources.module(expect.module) is None:
-        return "module not found"
-    if expect.kind == "module":
-        return None
-    if expect.kind == "class":
-        return None if sources.find_class(expect.module, expect.name) else "no such class"
-    if expect.kind == "function":
-        function = sources.find_function(expect.module, expect.name)
-        if function is None:
-            return "no such function"
-        return _check_signature(expect, function)
-    if expect.kind == "global":
-        if not sources.has_global(expect.module, expect.name):
-            return "no such module-level name"
-        if expect.used_in is not None:
-            class_name, _, method = expect.used_in.partition(".")
-            found = sources.member(expect.module, class_name, method)
-            if found is None or not _references(found[1], expect.name):
-                return f"not looked up in {expect.used_in} (a swap would not take effect)"
-        return None
-    class_name, _, member = expect.name.partition(".")
-    found = sources.member(expect.module, class_name, member)
-    if found is None:
-        return f"no {expect.kind} {member!r} on {class_name} or its bases"
-    kind, node = found
-    if expect.kind == "method":
-        if kind != "method":
-            return f"is a {kind}, expected a method"
-        return _check_signature(expect, node)
-    return None
-
-
-def absent_optional(sources: VllmSources, manifest: list[Expect] = MANIFEST) -> list[str]:
-    """The optional names this tree does not have (fine: checked at run time)."""
-    return [f"{e.module}.{e.name}" for e in manifest
-            if e.optional and _check_one(sources, e) is not None]
-
-
-def format_report(problems: list[str], root: Path, version: str | None,
-                  optional_absent: list[str] = ()) -> str:
-    lines = [f"vLLM sources: {root}" + (f" (vLLM {version})" if version else ""),
-             f"expectations: {len(MANIFEST)}; unmet: {len(problems)}"]
-    lines += [f"  UNMET {p}" for p in problems]
-    lines += [f"  absent, optional: {name}" for name in optional_absent]
-    return "\n".join(lines)
-
-
-def source_version(root: Path) -> str | None:
-    """The version a source tree declares (``vllm/_version.py``), if any."""
-    path = Path(root) / "vllm" / "_version.py"
-    if not path.is_file():
-        return None
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id in ("__version__", "version")
-                for t in node.targets) and isinstance(node.value, ast.Constant):
-            return str(node.value.value)
-    return None
