@@ -110,7 +110,7 @@ def engine_overrides(graphs: str) -> dict:
 @contextlib.contextmanager
 def model_runner(runner: str):
     """vLLM's runner choice: SpecExtend's engines run V1 unless
-    ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise (patches.py)."""
+    ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise (patches/engine_construction.py)."""
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "mrv2" else "0"
     try:

@@ -4,7 +4,7 @@ Everything that can be refused is refused here, when the engine is built
 (``LLM(...)``, ``vllm serve``), before any model loads, with the reason and
 the remedy: retrieval never silently turns into plain drafting.
 
-Engine construction (``patches.py``, ``EngineArgs.create_engine_config``)
+Engine construction (``patches/engine_construction.py``, ``EngineArgs.create_engine_config``)
 runs three steps, in this order: :func:`requested_config` checks the user's
 options on their own; :func:`adjust_engine_args` / :func:`adjust_vllm_config`
 are the only code that changes vLLM's config; :func:`keep_setup` checks the

@@ -54,7 +54,7 @@ class V1Overrides(DrafterFeatures):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        # Handed over by the runner that builds this drafter (patches.py).
+        # Handed over by the runner that builds this drafter (patches/model_runners.py).
         setup = getattr(runner, SETUP_ATTRIBUTE)
         self.runner = runner
         self.requests = RequestSlots(self.max_batch_size)

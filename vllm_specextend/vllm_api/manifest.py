@@ -148,7 +148,7 @@ MANIFEST: list[Expect] = [
               "enable_dbo ubatch_size", "refusals"),
     *_members("vllm.config.attention", "AttentionConfig", "attribute", "hisparse_config",
               "runner choice"),
-    # ---- engine construction, metrics, memory (patches.py) --------------
+    # ---- engine construction, metrics, memory (patches/) ----------------
     Expect("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "method",
            "wrapped: options validated at construction"),
     *_members("vllm.engine.arg_utils", "EngineArgs", "attribute",
