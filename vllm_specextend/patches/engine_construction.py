@@ -1,5 +1,5 @@
 """Patches of vLLM's engine construction: the options checked, vLLM's config
-adjusted, the set-up resolved once and kept on the config; the model runner
+adjusted, the set-up resolved once and kept for the config; the model runner
 an engine with ``spec_extend`` gets."""
 
 from __future__ import annotations
