@@ -111,7 +111,7 @@ def test_an_engine_resolves_its_options_once(target_model, draft_model, monkeypa
     resolve = engine_setup.resolve_setup
     monkeypatch.setattr(engine_setup, "resolve_setup", lambda config: calls.append(config)
                         or resolve(config))
-    # Resolved at engine construction, kept on the config for every reader.
+    # Resolved at engine construction, kept for the config for every reader.
     ours = engine_config(target_model, draft_model, spec_extend={"top_k_chunks": 3})
     assert len(calls) == 1
     engine = types.SimpleNamespace(vllm_config=ours)

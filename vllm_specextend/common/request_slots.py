@@ -8,11 +8,11 @@ step's batch, before either feature runs, and every feature is told which
 requests arrived and which left, whether or not it runs that step; the
 features only look their slots up (:meth:`RequestSlots.of_step`). A feature
 built without shared slots owns its own and updates them itself. Host-only
-bookkeeping, independent of vLLM. A batch that
-repeats the last one's requests (most steps) is answered from a cache, so a
-step costs a list comparison rather than a dictionary look-up per request;
-another looks up only the rows whose request changed, and finds departures
-and free slots in one compiled pass over the slots (:func:`settle_slots`).
+bookkeeping, independent of vLLM. A batch that repeats the last one's requests
+(most steps) is answered from a cache, so a step costs a list comparison
+rather than a dictionary look-up per request; another looks up only the rows
+whose request changed, and finds departures and free slots in one compiled
+pass over the slots (:func:`settle_slots`).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def _price_untimed_draft_steps(weights, seen, max_draft_steps):
     what the most draft steps timed cost per step (draft forwards cost
     about alike), not nothing: otherwise the controller would try every
     untimed ``D`` on the whole batch once, whatever a draft forward costs.
-    Nothing timed yet: left as it is (the warm-up times one first)."""
+    Nothing timed yet: left as it is (the warm-up times ``K`` first)."""
     most = 0
     for steps in range(max_draft_steps, 0, -1):
         if seen[NUM_LINEAR_FEATURES + steps - 1]:

@@ -130,7 +130,6 @@ class GoodputController(ForcedDrafts):
         self._last_draft_forwards = 0
         self._last_catch_up_tokens = 0
         self._catch_up_timed = False
-        self._plans = 0
         self._warm_up_plans = 0
         """``WARM_UP`` plans made (plans with decoding rows count)."""
         self._since_exploration = 0
@@ -242,7 +241,6 @@ class GoodputController(ForcedDrafts):
                     survival, drafting, resume, ~verifying, step.query_lens, num_requests)
         if exploring:
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
-        self._plans += 1
         return self._noted(plan, limits, counts)
 
     def _exploration_due(self) -> bool:
