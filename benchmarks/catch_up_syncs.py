@@ -1,6 +1,6 @@
 """Host syncs of goodput control's per-step device work on a GPU: the plan
 (kept hidden states of an EAGLE head) and the catch-up after paused steps
-(``DraftControl.plan``, ``DraftControl.catch_up`` and the V1 runner's inputs
+(``SpeculationControl.plan``, ``SpeculationControl.catch_up`` and the V1 runner's inputs
 rewritten by ``drafters/v1_catch_up.py``), under
 ``torch.cuda.set_sync_debug_mode("warn")``. Needs torch only (no vLLM): the
 V1 attention metadata is a stand-in with the fields the catch-up reads and
@@ -25,7 +25,7 @@ import torch
 from benchmarks.sync_sites import SyncSites
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.control.goodput import DraftPlan
-from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.control.speculation_control import SpeculationControl
 from vllm_specextend.drafters.v1_catch_up import with_catch_up
 
 K, BLOCK_SIZE, MAX_REQS, MAX_BLOCKS, HIDDEN = 4, 16, 8, 256, 64
@@ -92,19 +92,20 @@ def step_inputs(rows: dict, device: torch.device) -> tuple[PlanningBatch, dict]:
 
 
 def run(device: torch.device) -> dict:
-    control = DraftControl(method="eagle3", num_speculative_tokens=K, keeps_hidden_states=True,
-                           compact_positions=False, steps_in_flight=2, full_graph_query_len=None,
-                           max_num_reqs=MAX_REQS, max_num_tokens=512, device=device)
+    control = SpeculationControl.for_drafter(
+        method="eagle3", num_speculative_tokens=K, keeps_hidden_states=True,
+        compact_positions=False, steps_in_flight=2, full_graph_query_len=None,
+        max_num_reqs=MAX_REQS, max_num_tokens=512, device=device)
     control.allocate_paused_hidden_states(HIDDEN, torch.float32)
-    controller = control.speculation.controller
-    stock_plan, planned = controller.plan, [k for k, _ in STEPS]
+    controller = control.controller
+    stock_choose, planned = controller.choose, [k for k, _ in STEPS]
 
     def scripted(req_ids, *args, **kwargs):
-        stock_plan(req_ids, *args, **kwargs)
+        stock_choose(req_ids, *args, **kwargs)
         k = planned.pop(0)
         return DraftPlan(np.full(len(req_ids), k), k, 0.0)
 
-    controller.plan = scripted
+    controller.choose = scripted
     host_table = np.arange(MAX_REQS * MAX_BLOCKS, dtype=np.int32).reshape(MAX_REQS, -1)
     token_ids = np.arange(MAX_REQS * 4096, dtype=np.int32).reshape(MAX_REQS, -1)
     inputs = [step_inputs(rows, device) for _, rows in STEPS]

@@ -15,9 +15,9 @@ at the end the metrics and the cost model's weights are recorded.
     python -m benchmarks.control_decisions --out /tmp/old.pkl
     python -m benchmarks.control_decisions --compare /tmp/old.pkl /tmp/new.pkl
 
-Only ``SpeculationControl``'s constructor, ``plan``, ``catch_up_starts``,
-``draft_lengths``, ``metrics_snapshot`` and ``controller.cost.weights`` are
-used, so older versions run it too.
+Only ``SpeculationControl``'s constructor, ``plan_step`` (before it,
+``plan``), ``catch_up_starts``, ``draft_lengths``, ``metrics_snapshot`` and
+``controller.cost.weights`` are used, so older versions run it too.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ from vllm_specextend.control.speculation_control import SpeculationControl
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 64
+
+
+def _plan(control, req_ids, ctx, query, prompt, table):
+    """The step's plan and whether the draft's forward runs, from this
+    checkout's ``plan_step`` or an older one's ``plan``."""
+    if hasattr(control, "plan_step"):
+        plan = control.plan_step(req_ids, ctx, query, prompt, table, BLOCK_SIZE)
+        return plan, plan.runs_draft_forward
+    return control.plan(req_ids, ctx, query, prompt, table, BLOCK_SIZE)
 
 
 def scenario(seed: int, batch: int, k: int, steps: int, graphs: bool,
@@ -74,8 +83,7 @@ def scenario(seed: int, batch: int, k: int, steps: int, graphs: bool,
                         mine[:shared] = other[:shared]
                     tables[req_id] = mine
                 table[row] = tables[req_id]
-        plan, runs = control.plan(req_ids, ctx.copy(), query.copy(), prompt.copy(), table,
-                                  BLOCK_SIZE)
+        plan, runs = _plan(control, req_ids, ctx.copy(), query.copy(), prompt.copy(), table)
         starts, caught_up = None, 0
         if runs and free_pause:
             starts = control.catch_up_starts(req_ids, ctx.copy(),

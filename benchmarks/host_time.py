@@ -218,8 +218,9 @@ def measure(args) -> dict:
         timers.step = {}
         slots.update(requests.ids)  # the adapter's one update a step, before either feature
         start = CLOCK()
-        plan, runs = control.plan(requests.ids, requests.context_lens, requests.query_lens,
-                                  requests.prompt_lens, table, BLOCK_SIZE)
+        plan = control.plan_step(requests.ids, requests.context_lens, requests.query_lens,
+                                 requests.prompt_lens, table, BLOCK_SIZE)
+        runs = plan.runs_draft_forward
         control_seconds = CLOCK() - start
         if runs:
             start = CLOCK()
@@ -280,9 +281,8 @@ def measure(args) -> dict:
 
 
 GOODPUT_FUNCTIONS = {
-    "control": ("_advance_frontiers", "_end_step"),
-    # admit: the request slots' update, arrivals and departures included.
-    "controller": ("admit", "_observe_cost", "_explore", "_settle", "_noted"),
+    "kv_frontiers": ("advance", "end_step"),
+    "controller": ("_observe_cost", "_explore", "_settle", "_noted", "_decide_forward"),
 }
 
 
@@ -295,7 +295,7 @@ def goodput_breakdown(args) -> dict:
     """Goodput control alone, the same steps again, with its functions timed
     one by one, each exclusive of the others (``controller_plan``: its own
     lines, per-request loops and list comprehensions among them;
-    ``control_plan``: ``SpeculationControl.plan``'s own lines)."""
+    ``control_plan``: ``SpeculationControl.plan_step``'s own lines)."""
     from vllm_specextend.control import goodput
 
     control = SpeculationControl(args.batch, args.k, free_pause=True, synced_lead=1,
@@ -303,12 +303,12 @@ def goodput_breakdown(args) -> dict:
     clock = [0.0]
     control.clock = lambda: clock[0]
     timers = _Timers()
-    for name in GOODPUT_FUNCTIONS["control"]:
-        timers.wrap(control, name)
-    for name in GOODPUT_FUNCTIONS["controller"]:
-        timers.wrap(control.controller, name)
-    timers.wrap(control.controller, "plan", "controller_plan")
-    timers.wrap(control, "plan", "control_plan")
+    for part, names in GOODPUT_FUNCTIONS.items():
+        for name in names:
+            timers.wrap(getattr(control, part), name)
+    timers.wrap(control.requests, "of_step", "request_slots")
+    timers.wrap(control.controller, "choose", "controller_plan")
+    timers.wrap(control, "plan_step", "control_plan")
     kernels = {name: getattr(goodput, name) for name in COMPILED_STEPS}
     for name in COMPILED_STEPS:
         timers.wrap(goodput, name)
@@ -320,8 +320,9 @@ def goodput_breakdown(args) -> dict:
     try:
         for step in range(args.warmup + args.steps):
             timers.step = {}
-            plan, runs = control.plan(requests.ids, requests.context_lens, requests.query_lens,
-                                      requests.prompt_lens, table, BLOCK_SIZE)
+            plan = control.plan_step(requests.ids, requests.context_lens, requests.query_lens,
+                                     requests.prompt_lens, table, BLOCK_SIZE)
+            runs = plan.runs_draft_forward
             if step >= args.warmup:
                 steps.append(dict(timers.step))
             clock[0] += 0.025 + 2e-5 * float(requests.query_lens.sum()) + 3e-3 * plan.draft_steps
@@ -330,7 +331,7 @@ def goodput_breakdown(args) -> dict:
         for name, kernel in kernels.items():
             setattr(goodput, name, kernel)
     names = ["controller_plan", *COMPILED_STEPS, *GOODPUT_FUNCTIONS["controller"],
-             "control_plan", *GOODPUT_FUNCTIONS["control"]]
+             "control_plan", *GOODPUT_FUNCTIONS["kv_frontiers"], "request_slots"]
     return {name: float(np.median([s.get(name, 0.0) for s in steps]) * 1e3)
             for name in names}
 

@@ -65,14 +65,15 @@ def reconfigure_drafter(worker, options: dict) -> None:
     """Swap the SpecExtend drafter's options between runs, so that one engine
     serves several configurations: retrieval's through its planner's
     ``reconfigure`` (``mode: off`` drafts as stock vLLM does), goodput
-    control on or off (switched off, its controller rests on the owner and
+    control on or off (switched off, its control rests on the drafter and
     keeps what it learnt about this engine for when it is back on). Each
     feature can only switch in an engine built with it."""
     from vllm_specextend.common.options import SpecExtendConfig, SpecExtendConfigError
 
     config = SpecExtendConfig.from_dict(options)
     drafter = _drafter(worker.model_runner)
-    retrieval, control = drafter.retrieval, drafter.control
+    retrieval = drafter.retrieval
+    control = drafter.control or drafter.__dict__.get("benchmark_resting_control")
     for wanted, held, option in ((config.controls_speculation, control,
                                   "speculation_control='goodput'"),
                                  (config.retrieves, retrieval, f"mode={config.mode!r}")):
@@ -83,12 +84,8 @@ def reconfigure_drafter(worker, options: dict) -> None:
     if retrieval is not None:
         retrieval.planner.reconfigure(config)
     if control is not None:
-        resting = control.__dict__.setdefault("benchmark_resting", None)
-        if config.controls_speculation:
-            control.speculation = control.speculation or resting
-        else:
-            control.benchmark_resting = control.speculation or resting
-            control.speculation = None
+        drafter.benchmark_resting_control = control
+        drafter.control = control if config.controls_speculation else None
 
 
 def control_counts(worker) -> dict | None:
@@ -109,13 +106,16 @@ class PausedController:
     def __init__(self, controller) -> None:
         self.wrapped = controller
 
-    def plan(self, req_ids, *args, **kwargs):
+    def plan(self, req_ids, context_lens, query_lens, prompt_lens, *args, **kwargs):
         import numpy as np
 
-        from vllm_specextend.control.goodput import DraftPlan
+        from vllm_specextend.control.goodput import DraftPlan, decide_draft_forward
 
         nothing = np.zeros(len(req_ids), dtype=np.int64)
-        return DraftPlan(nothing, 0, 0.0, nothing)
+        plan = DraftPlan(nothing, 0, 0.0, nothing)
+        decide_draft_forward(plan, np.asarray(context_lens) >= np.asarray(prompt_lens),
+                             self.wrapped.free_pause, self.wrapped.defer_prompts)
+        return plan
 
     def observe(self, outcome) -> None:
         pass
@@ -141,22 +141,23 @@ def start_control_trace(worker) -> None:
     tokens caught up so far, the catch-up price and the step-cost weights."""
     control = _control(worker.model_runner)
     trace: list[dict] = []
-    control.__dict__.pop("plan", None)  # a trace started before: replaced
-    stock_plan = control.plan
+    control.__dict__.pop("plan_step", None)  # a trace started before: replaced
+    stock_plan = control.plan_step
 
     def plan(req_ids, context_lens, *args, **kwargs):
         now = control.clock()
-        draft_plan, runs = stock_plan(req_ids, context_lens, *args, **kwargs)
+        draft_plan = stock_plan(req_ids, context_lens, *args, **kwargs)
+        runs = draft_plan.runs_draft_forward
         controller = control.controller
         trace.append({"req_ids": list(req_ids), "context_lens": context_lens.tolist(),
                       "draft_lengths": draft_plan.draft_lengths.tolist(),
                       "draft_forward": runs, "seconds": now,
                       "catch_up_tokens_so_far": int(controller.stats.catch_up_tokens),
-                      "catch_up_seconds_per_token": controller._catch_up_seconds(),
+                      "catch_up_seconds_per_token": controller.cost.catch_up_seconds(),
                       "cost_weights": controller.cost.weights.tolist()})
-        return draft_plan, runs
+        return draft_plan
 
-    control.plan = plan
+    control.plan_step = plan
     control.trace = trace
 
 
@@ -181,7 +182,7 @@ def _retrieval(runner):
 
 def _control(runner):
     """The drafter's goodput control (its ``SpeculationControl``), if on."""
-    return getattr(getattr(_drafter(runner), "control", None), "speculation", None)
+    return getattr(_drafter(runner), "control", None)
 
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"

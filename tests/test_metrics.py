@@ -107,12 +107,12 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     prompt = np.array([100, 100])
     context = np.array([100, 100])
     for _ in range(6):  # warm-up: 2 steps at K, then 2 paused, then the controller's choice
-        control.plan(["a", "b"], context, np.array([1, 1]), prompt)
+        control.plan_step(["a", "b"], context, np.array([1, 1]), prompt)
         context = context + 1
     requests = control.metrics_snapshot()["requests"]
     assert requests["a"]["drafted_steps"] >= 2  # the warm-up drafts
     assert requests["a"]["drafted_steps"] + requests["a"]["paused_steps"] == 6
-    control.plan(["b"], context[1:], np.array([1]), prompt[1:])  # "a" finished
+    control.plan_step(["b"], context[1:], np.array([1]), prompt[1:])  # "a" finished
     snapshot = control.metrics_snapshot()
     paused = snapshot["request_paused_fraction"]
     assert paused["count"] == 1

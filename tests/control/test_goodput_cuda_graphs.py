@@ -213,6 +213,6 @@ def test_the_controller_reads_the_graph_mode_vllm_settled_on(
         AttentionCGSupport[backend_support], "BACKEND", uniform_decode_query_len=1 + K)
     assert compilation.cudagraph_mode == CUDAGraphMode[settled]
     proposer.initialize_attn_backend(kv_cache_config=None, kernel_block_sizes=[16])
-    controller = proposer.control.speculation.controller
+    controller = proposer.control.controller
     assert controller.full_graph_query_len == query_len
     assert controller.cost.piecewise_step == (query_len is not None)

@@ -43,7 +43,8 @@ def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: in
         output, verifying = np.zeros(BATCH, np.int64), np.zeros(BATCH, np.int64)
         start = clock[0]
         while req_ids:
-            plan, runs = control.plan(req_ids, context.copy(), query.copy(), prompt.copy())
+            plan = control.plan_step(req_ids, context.copy(), query.copy(), prompt.copy())
+            runs = plan.runs_draft_forward
             caught_up = 0
             if runs:
                 starts = control.catch_up_starts(req_ids, context.copy(), 8192)

@@ -30,9 +30,10 @@ class ScriptedControl:
             self.gaps = catch_up_gaps.tolist()
             return plan
 
-        self.control.controller.plan = scripted_plan
+        self.control.controller.choose = scripted_plan
         queries = np.full(2, query)
-        _, runs = self.control.plan(req_ids, self.context, queries, np.full(2, 100))
+        runs = self.control.plan_step(req_ids, self.context, queries,
+                                      np.full(2, 100)).runs_draft_forward
         starts = (self.control.catch_up_starts(req_ids, self.context, BUDGET) if runs
                   else "skipped")
         self.context = self.context + queries
@@ -100,8 +101,9 @@ class BlockScript:
             self.whole_catch_up = dict(zip(req_ids, whole_catch_up.tolist()))
             return plan
 
-        self.control.controller.plan = scripted_plan
-        _, runs = self.control.plan(req_ids, context, query, prompt, table, BLOCK)
+        self.control.controller.choose = scripted_plan
+        runs = self.control.plan_step(req_ids, context, query, prompt, table,
+                                      BLOCK).runs_draft_forward
         if not runs:
             return "skipped"
         starts = self.control.catch_up_starts(req_ids, context, budget)

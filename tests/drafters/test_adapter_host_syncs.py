@@ -181,16 +181,16 @@ def set_up(method: str, draft_window: int) -> Proposer:
 def script_plans(proposer: Proposer) -> list[int]:
     """Each plan drafts the next step's K for every request (the
     controller's own bookkeeping still runs)."""
-    controller = proposer.control.speculation.controller
-    stock_plan = controller.plan
+    controller = proposer.control.controller
+    stock_choose = controller.choose
     plans = [k for k, _ in STEPS]
 
     def scripted(req_ids, *args, **kwargs):
-        stock_plan(req_ids, *args, **kwargs)
+        stock_choose(req_ids, *args, **kwargs)
         k = plans.pop(0)
         return DraftPlan(np.full(len(req_ids), k), k, 0.0)
 
-    controller.plan = scripted
+    controller.choose = scripted
     return plans
 
 
@@ -234,7 +234,7 @@ def test_v1_proposals_with_pauses_and_catch_up_never_wait_for_the_device(method,
     calls = proposer.calls
     assert [c["rows"] for c in calls] == [3, 4, 4]
     assert calls[1]["tokens"] > sum(q for q, _ in STEPS[3][1].values())
-    control = proposer.control.speculation
+    control = proposer.control
     assert control.controller.stats.catch_up_tokens > 0
     assert control.controller.stats.skipped_draft_forwards == 2
     assert proposer.retrieval.planner.stats.retrievals > 0
@@ -256,7 +256,7 @@ def test_both_features_keep_requests_by_one_set_of_slots():
     plans = script_plans(proposer)
     plans[:] = [K, 0, K]
     planner = proposer.retrieval.planner
-    controller = proposer.control.speculation.controller
+    controller = proposer.control.controller
     assert planner.requests is controller.requests is proposer.requests
     steps = [{"a": (1, 2000), "b": (1, 2500), "c": (1, 1800)},
              {"a": (K + 1, 2001), "b": (K + 1, 2501)},  # "c" left; nobody drafts

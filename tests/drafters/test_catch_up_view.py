@@ -123,15 +123,15 @@ def step_inputs(query_lens, context_lens) -> dict:
 def run(proposer: Proposer, plans: list[int], steps: list[tuple[list[int], list[int]]]):
     """The runner's steps (the target's last layer recorded, then propose),
     each drafting the planned K for every request."""
-    controller = proposer.control.speculation.controller
-    stock_plan = controller.plan
+    controller = proposer.control.controller
+    stock_choose = controller.choose
 
     def scripted(req_ids, *args, **kwargs):
-        stock_plan(req_ids, *args, **kwargs)
+        stock_choose(req_ids, *args, **kwargs)
         k = plans.pop(0)
         return DraftPlan(np.full(len(req_ids), k), k, 0.0)
 
-    controller.plan = scripted
+    controller.choose = scripted
     generator = torch.Generator().manual_seed(0)
     input_batch = proposer.runner.input_batch
     layer = proposer.retrieval.target_layer

@@ -46,18 +46,18 @@ def _script(worker, k_of_step, draft_prefill: bool) -> None:
     from vllm_specextend.control.goodput import DraftPlan
 
     runner = worker.model_runner
-    controller = runner.drafter.control.speculation.controller
+    controller = runner.drafter.control.controller
     # Scripting again replaces the script (it does not wrap it).
-    stock_plan = controller.__dict__.setdefault("_stock_plan", controller.plan)
+    stock_choose = controller.__dict__.setdefault("_stock_choose", controller.choose)
     runner._test["plans"] = 0
 
     def scripted(req_ids, *args, **kwargs):
-        stock_plan(req_ids, *args, **kwargs)  # the controller's own bookkeeping
+        stock_choose(req_ids, *args, **kwargs)  # the controller's own bookkeeping
         k = k_of_step(runner._test["plans"])
         runner._test["plans"] += 1
         return DraftPlan(np.full(len(req_ids), k), k, 0.0, draft_prefill=draft_prefill)
 
-    controller.plan = scripted
+    controller.choose = scripted
 
 
 def _script_all(worker, k: int, draft_prefill: bool) -> None:
@@ -119,8 +119,8 @@ def test_paused_steps_skip_the_draft_and_resumed_drafts_catch_up(target_model, t
 def _skip_stale_blocks(worker) -> None:
     """New requests trust their prefix cache hits' draft KV (as before the
     stale-block registry)."""
-    control = worker.model_runner.drafter.control.speculation
-    control._first_stale = lambda row, context_len: context_len
+    control = worker.model_runner.drafter.control
+    control.kv_frontiers._first_stale = lambda row, context_len: context_len
 
 
 def test_a_deferred_prompt_skips_the_draft_and_a_prefix_hit_on_it_catches_up(
@@ -190,9 +190,9 @@ def test_prompts_skip_the_draft_once_drafting_does_not_pay(target_model, draft_m
 def _simulate_device(worker, step: float, per_token: float, per_draft_forward: float) -> None:
     """The controller's clock as a device with these costs would show it (a
     token the draft catches up costs a quarter of one the target verifies)."""
-    control = worker.model_runner.drafter.control.speculation
+    control = worker.model_runner.drafter.control
     state = {"now": 0.0, "forwards": 0, "caught_up": 0}
-    stock_plan = control.plan
+    stock_plan = control.plan_step
 
     def plan(req_ids, context_lens, query_lens, prompt_lens, *args):
         caught_up = control.controller.stats.catch_up_tokens
@@ -200,12 +200,12 @@ def _simulate_device(worker, step: float, per_token: float, per_draft_forward: f
                          + per_token / 4 * (caught_up - state["caught_up"])
                          + per_draft_forward * state["forwards"])
         state["caught_up"] = caught_up
-        result, runs = stock_plan(req_ids, context_lens, query_lens, prompt_lens, *args)
-        state["forwards"] = result.draft_steps if runs else 0
-        return result, runs
+        result = stock_plan(req_ids, context_lens, query_lens, prompt_lens, *args)
+        state["forwards"] = result.draft_steps if result.runs_draft_forward else 0
+        return result
 
     control.clock = lambda: state["now"]
-    control.plan = plan
+    control.plan_step = plan
 
 
 def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
@@ -214,8 +214,9 @@ def test_a_draft_that_is_never_accepted_pauses_and_resumes_after_probing(
     """Pausing and resuming observed from the draft forwards that ran (a
     forward hook on the target and the draft). Mutation: ``SpeculationControl
     .plan`` telling the adapter to run the draft's forward on the steps its
-    controller counts as skipped (``return plan, True``) passes the counter
-    checks and fails the observed ones."""
+    controller counts as skipped (``return plan.draft_steps`` whatever
+    ``plan.runs_draft_forward``) passes the counter checks and fails the
+    observed ones."""
 
     # A draft equal to the target: through a 3-block working cache of a
     # random-attention target it is rarely right; with the whole cache, always.
@@ -293,13 +294,13 @@ def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target
 
 
 def _defer_prompts(worker, defer: bool) -> None:
-    worker.model_runner.drafter.control.speculation.defer_prompts = defer
+    worker.model_runner.drafter.control.controller.defer_prompts = defer
 
 
 def _forward_paused_steps(worker, forward: bool) -> None:
     """Run the draft's forward on steps where nobody drafts (stock vLLM's
     K=0 steps) instead of skipping it."""
-    worker.model_runner.drafter.control.speculation.free_pause = not forward
+    worker.model_runner.drafter.control.controller.free_pause = not forward
 
 
 def _record_drafts(worker) -> None:

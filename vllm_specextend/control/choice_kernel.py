@@ -10,7 +10,7 @@ Every sum is the one numpy made before (the choice is bit for bit the same):
 a few positions left to right, and from 8 contiguous numbers on numpy's
 pairwise summation (:func:`pairwise_sum`). No fastmath, so nothing is
 reordered. Compiled once per process (``cache=True`` keeps the machine code
-on disk), when ``DraftControl`` is built (``control/warm_up.py``).
+on disk), when a drafter's ``SpeculationControl`` is built (``control/warm_up.py``).
 """
 
 from __future__ import annotations

@@ -193,6 +193,19 @@ def _solve_small(system, rhs):
     return solution
 
 
+@compiled
+def catch_up_prices(weights, timed):
+    """Seconds per caught-up token, and per token of a forced draft's
+    catch-up (see :meth:`StepCostModel.catch_up_seconds` and
+    :meth:`StepCostModel.forced_catch_up_seconds`; ``timed``: a step with
+    caught-up tokens was timed)."""
+    verified = weights[1]
+    if not timed:
+        return verified, 0.0
+    learnt = verified if verified < weights[2] else weights[2]  # Python's min(learnt, verified)
+    return learnt, learnt
+
+
 class StepCostModel:
     """Seconds per engine step, ``features . weights``, learnt online.
 
@@ -200,10 +213,10 @@ class StepCostModel:
     ridge term keeps unidentified weights where they are until the data
     tells them apart: a number of draft steps never seen is priced per draft
     step as the most draft steps seen, so the controller tries it when
-    acceptance says it would pay at that price, and learns). The base and the per-token costs are clipped at zero; the cost of
-    ``D`` draft steps is not, since it corrects the per-token cost at small
-    batch, where the two move together (a 3-token step can cost less than a
-    2-token one).
+    acceptance says it would pay at that price, and learns). The base and the
+    per-token costs are clipped at zero; the cost of ``D`` draft steps is
+    not, since it corrects the per-token cost at small batch, where the two
+    move together (a 3-token step can cost less than a 2-token one).
     """
 
     def __init__(self, max_draft_steps: int, forgetting: float = 0.98,
@@ -220,6 +233,9 @@ class StepCostModel:
         self.observations = 0
         self.seen = np.zeros(num, dtype=bool)
         """Features some observed step had."""
+        self.catch_up_timed = False
+        """Whether a step with caught-up tokens was timed (until then a
+        caught-up token is priced as a verified one)."""
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         """Learn one step's cost (compiled, :func:`fit_step`)."""
@@ -229,11 +245,45 @@ class StepCostModel:
                                 self.piecewise_step)
         self.observations += 1
 
-    def kernel_args(self, catch_up_timed: bool = False) -> StepCosts:
-        """What a compiled loop prices a step with (``catch_up_timed``: a
-        step with caught-up tokens was timed)."""
+    def observe_step(self, features: np.ndarray, seconds: float, stall_factor: float,
+                     slow_step_clip: float) -> None:
+        """Learn an engine step's cost, robustly: a step of a kind seen lately
+        that took ``stall_factor`` times its prediction is a stall (an idle
+        engine), skipped; a slower one is learnt as ``slow_step_clip`` times
+        its prediction at most. (A step of a kind not seen lately, a catch-up
+        or a number of draft steps, shows a cost the model has yet to learn.)"""
+        if self.observations >= 8 and self.knows(features):
+            predicted = float(self.predict(features))
+            if predicted > 0:
+                if seconds > stall_factor * predicted:
+                    return
+                # One slow step (a request's first retrieval, the host's
+                # hiccup) moves the model as far as a 1.5x one: otherwise
+                # it can price a number of draft steps out for a whole run.
+                seconds = min(seconds, slow_step_clip * predicted)
+        self.observe(features, seconds)
+        self.catch_up_timed |= bool(features[NUM_LINEAR_FEATURES - 1] > 0)
+
+    def catch_up_seconds(self) -> float:
+        """Seconds per caught-up token: learnt once a catch-up was timed, at
+        most a verified token's (a draft's token costs no more than the
+        target's: one small catch-up's step can put all its noise on its few
+        tokens); before, a verified token's, so resumptions and prompts are
+        not priced as free."""
+        return float(catch_up_prices(self.weights, self.catch_up_timed)[0])
+
+    def forced_catch_up_seconds(self) -> float:
+        """Seconds per token a forced draft's catch-up is priced at: none
+        until a catch-up was timed, since the engine's first forced drafts
+        catch up only ``min_probe_catch_up`` tokens, which times the price.
+        (A verified token's price overstates it where the steps cannot tell
+        the base from a token: at batch 1, half of a paused step.)"""
+        return float(catch_up_prices(self.weights, self.catch_up_timed)[1])
+
+    def kernel_args(self) -> StepCosts:
+        """What a compiled loop prices a step with."""
         return StepCosts(floats(self.weights), int(self.max_draft_steps), bool(self.piecewise_step),
-                         bool(catch_up_timed))
+                         bool(self.catch_up_timed))
 
     def knows(self, features: np.ndarray) -> bool:
         """Whether recent steps showed every feature ``features`` has (about

@@ -39,6 +39,12 @@ class DraftPlan:
     draft_prefill: bool = True
     """Whether prompt chunks go through the draft this step when nobody
     drafts (False: a caught-up new request would not draft now either)."""
+    runs_draft_forward: bool = True
+    """Whether the draft's forward runs this step (False: nobody drafts and
+    the drafter catches up later)."""
+    deferred_rows: np.ndarray | None = None
+    """``[rows]`` bool: rows whose prompt chunks skip the draft this step
+    (None: none)."""
 
 
 class PlannedDraftLengths(Mapping[str, int]):

@@ -1,43 +1,59 @@
-"""Per-request speculation lengths that maximise expected goodput.
+"""Goodput control's decisions, all in this module: per step and per
+request, how many tokens to draft (0: the request pauses), and whether the
+draft's forward runs at all.
 
-Goodput is accepted tokens per second of the whole batch. For the next
-verification step every request gets its own number of drafts ``K_r`` in
-``0..K``, from
+Goodput is accepted tokens per second of the whole batch. From
 
 - a step-cost model learnt online on this engine (:class:`StepCostModel`):
   seconds between two drafter calls, a linear function of what the step
-  verifies and drafts, fitted by exponentially weighted ridge regression;
+  verifies, drafts and catches up;
 - per-request acceptance estimates (:class:`AcceptanceEstimates`): an EWMA of
-  each draft position's acceptance, from the verifications seen so far.
+  each draft position's acceptance, from the verifications seen so far,
 
-The choice (:func:`choose_draft_lengths`) is a fractional programme solved by
-Dinkelbach's iteration for each possible number of draft steps ``D``: a
-request keeps draft position ``i`` when the probability that it is accepted
-(the product of the positions' rates up to ``i``) is worth more than the
-position's verification time at the batch's goodput. Hysteresis keeps rows from
-flapping and paused rows are probed periodically, so a request resumes when
-drafting would pay again.
+a request pauses (drafts nothing) in a step unless one of these says it drafts:
+
+1. **Estimates** (:func:`choose_draft_lengths`, compiled in
+   ``choice_kernel.py``): a fractional programme solved by Dinkelbach's
+   iteration for each number of draft steps ``D``; a request keeps draft
+   position ``i`` when the probability that it is accepted is worth more
+   than the position's verification time at the batch's goodput, with
+   hysteresis (a drafting row keeps a position down to ``1 - hysteresis`` of
+   the threshold, a paused one resumes above ``1 + hysteresis``, its
+   catch-up priced), and a drafting plan must beat pausing everyone by
+   ``pause_margin``.
+2. **Probes** (``plan_kernels.forced_rows``): a paused request drafts once
+   when its back-off is up (``probe_interval`` paused plans, doubling after
+   each failed probe up to ``max_probe_backoff`` times) and its budget
+   (``probe_budget`` of the time it paused) covers a draft and its least
+   catch-up.
+3. **Warm-up and exploration** (:meth:`GoodputController._explore`): the
+   engine's first plans with decoding rows (``WARM_UP``), then every
+   ``explore_interval`` plans one that departs from the choice, so the cost
+   model keeps seeing every number of draft steps; a row not drafting on its
+   estimates joins only within its budget.
+
+The draft's forward then runs unless nobody drafts and the drafter can catch
+up later (``free_pause``); a step with prompt chunks runs it too unless a
+caught-up new request would not draft either (``draft_prefill``: where the
+drafter can ``defer_prompts``), or the prompts' draft prefill is within the
+prompt budget (``probe_budget`` of the steps nobody drafted in).
 
 On the host (numpy, and loops compiled with numba for the per-row
 arithmetic): the inputs are per-request lengths the host already knows, so a
-decision adds no device sync. Everything here is independent of vLLM.
-
-Its parts: ``cost_model``, ``acceptance``, ``draft_lengths`` (the choice),
-``forced_drafts`` (probes, exploration, catch-up prices), ``control_stats``,
-``parameters`` (its tuning, what the engine reports back).
+decision adds no device sync. Everything here is independent of vLLM; its
+tuning is one record, :class:`ControlParameters`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from vllm_specextend.common.kernel_args import flags, ints
+from vllm_specextend.common.kernel_args import flags, floats, ints
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
-from vllm_specextend.control.forced_drafts import UNLIMITED, WARM_UP, ForcedDrafts
 from vllm_specextend.control.kernel_state import (
     ChoiceSettings,
     PlanSettings,
@@ -54,6 +70,8 @@ from vllm_specextend.control.parameters import (
     StepOutcome,
 )
 from vllm_specextend.control.plan_kernels import (
+    UNLIMITED,
+    affordable,
     paused_fractions,
     plan_rows,
     settle_plan,
@@ -64,23 +82,30 @@ from vllm_specextend.control.plan_kernels import (
 __all__ = [
     "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "WARM_UP", "AcceptanceEstimates",
     "ControlParameters", "DraftPlan", "GoodputController", "StepCostModel", "StepOutcome",
-    "choose_draft_lengths", "step_features",
+    "choose_draft_lengths", "decide_draft_forward", "step_features",
 ]
+
+WARM_UP = ("draft", "draft", "pause", "pause")
+"""The engine's first plans with decoding rows: two drafting ``K`` (the second
+is timed even where the first follows a prefill; fewer draft steps are priced
+per step until timed), then two paused."""
 
 _NO_INTS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=bool)
 
 
-class GoodputController(ForcedDrafts):
+class GoodputController:
     """Per step, the draft lengths of the next verification for every request
-    of the batch, from the measured step costs and acceptance so far.
+    of the batch, and whether the draft's forward runs (see the module).
 
     Per step: :meth:`plan` once, at the drafter's call, with the host-side
     lengths of the batch (it first learns from the step those lengths
-    show), and :meth:`observe` with what the engine did with the plan (any
-    time before the next plan; several calls add up). :meth:`finish` when
-    requests leave. Per-request state is held in arrays by slot
-    (:class:`RequestSlots`).
+    show), and :meth:`observe` with what only the engine knows after it
+    (the tokens its first pass caught up). Per-request state is held in
+    arrays by slot (:class:`RequestSlots`); requests that leave the batch
+    leave their slots (:meth:`finish`, when the slots are the controller's
+    own). What forced drafts (probes, warm-up, exploration) may cost:
+    ``plan_kernels.forced_rows``.
     """
 
     def __init__(
@@ -91,17 +116,23 @@ class GoodputController(ForcedDrafts):
         parameters: ControlParameters = ControlParameters(),
         full_graph_query_len: int | None = None,
         requests: RequestSlots | None = None,
+        defer_prompts: bool = False,
     ) -> None:
-        """``full_graph_query_len``: the query length of every request in a
+        """``free_pause``: a step where nobody drafts skips the draft's
+        forward (the drafter catches up later).
+        ``full_graph_query_len``: the query length of every request in a
         decode step that runs in the target's FULL CUDA graphs (``1 + K``
         under vLLM's FULL decode graphs); None: no FULL graphs (until
         :meth:`set_full_graph_query_len`).
         ``requests``: the drafter's request slots, shared with its other
-        feature (None: its own). (Long for the docstrings of its fields: it
-        only assigns.)"""
+        feature (None: its own).
+        ``defer_prompts``: with ``free_pause``, a step of prompt chunks may
+        skip the draft's forward too (a drafter that can catch up a whole
+        prompt). (Long for the docstrings of its fields: it only assigns.)"""
         self.num_speculative_tokens = num_speculative_tokens
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
+        self.defer_prompts = defer_prompts and free_pause
         self.parameters = parameters
         p = parameters
         self.cost = self._cost_model()
@@ -129,7 +160,6 @@ class GoodputController(ForcedDrafts):
         self._last_prefilling = True
         self._last_draft_forwards = 0
         self._last_catch_up_tokens = 0
-        self._catch_up_timed = False
         self._warm_up_plans = 0
         """``WARM_UP`` plans made (plans with decoding rows count)."""
         self._since_exploration = 0
@@ -157,13 +187,6 @@ class GoodputController(ForcedDrafts):
 
     # ---- per step --------------------------------------------------------
 
-    def admit(self, req_ids: list[str]) -> np.ndarray:
-        """Each request's slot: ``req_ids`` is the step's batch, so requests
-        not in it leave (:meth:`_finish`) and new ones take a slot
-        (:meth:`_admit`), when the drafter that shares these slots updated
-        them (or, when they are the controller's own, now)."""
-        return self.requests.of_step(req_ids, self._owns_requests)
-
     def _admit(self, req_ids: list[str], new: np.ndarray) -> None:
         """New requests start from the engine's acceptance estimates and the
         latest probe back-off."""
@@ -171,14 +194,12 @@ class GoodputController(ForcedDrafts):
                        self.acceptance.kernel_args())
 
     def observe(self, outcome: StepOutcome) -> None:
-        """What the engine did with the last plan (its cost is learnt at the
-        next plan, from the clock)."""
+        """What the engine did with the last plan beyond what the plan
+        decided (its cost is learnt at the next plan, from the clock)."""
         if outcome.draft_forwards is not None:
             self._last_draft_forwards = outcome.draft_forwards
-            self.stats.skipped_draft_forwards += outcome.draft_forwards == 0
         self._last_catch_up_tokens += outcome.catch_up_tokens
         self.stats.catch_up_tokens += outcome.catch_up_tokens
-        self.stats.deferred_prefill_tokens += outcome.deferred_prefill_tokens
 
     def plan(
         self,
@@ -190,16 +211,35 @@ class GoodputController(ForcedDrafts):
         catch_up_gaps: np.ndarray | None = None,
         whole_catch_up: np.ndarray | None = None,
     ) -> DraftPlan:
-        """Draft lengths for the next verification of ``req_ids`` (this step's
+        """The plan for the next verification of ``req_ids`` (this step's
         batch: ``context_lens`` computed tokens before this step's
         ``query_lens``; ``catch_up_gaps``: tokens each request's draft KV is
         behind; ``whole_catch_up``: requests whose forced drafts must catch
         up all of their gap, as one whose prompt the draft lacks: with holes
-        there a probe would not measure the draft), observing the step just
-        verified first. (Long as one step's sequence in order, each part a
-        compiled call or a method.)"""
+        there a probe would not measure the draft): each request's drafts
+        (:meth:`choose`), then whether the draft's forward runs."""
+        plan = self.choose(req_ids, context_lens, query_lens, prompt_lens, now,
+                           catch_up_gaps=catch_up_gaps, whole_catch_up=whole_catch_up)
+        self._decide_forward(plan, ints(context_lens) >= ints(prompt_lens), ints(query_lens))
+        return plan
+
+    def choose(
+        self,
+        req_ids: list[str],
+        context_lens: np.ndarray,
+        query_lens: np.ndarray,
+        prompt_lens: np.ndarray,
+        now: float,
+        catch_up_gaps: np.ndarray | None = None,
+        whole_catch_up: np.ndarray | None = None,
+    ) -> DraftPlan:
+        """Each request's drafts (arguments: :meth:`plan`'s), observing the
+        step just verified first: on estimates, probes, warm-up and
+        exploration, and whether prompt chunks go through the draft. (Long
+        as one step's sequence in order, each part a compiled call or a
+        method.)"""
         p = self.parameters
-        slots = self.admit(req_ids)
+        slots = self.requests.of_step(req_ids, self._owns_requests)
         num_requests = len(req_ids)
         graph = self.full_graph_query_len
         step = StepRows(
@@ -243,6 +283,17 @@ class GoodputController(ForcedDrafts):
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
         return self._noted(plan, limits, counts)
 
+    def _decide_forward(self, plan: DraftPlan, verifying: np.ndarray,
+                        query_lens: np.ndarray) -> None:
+        """:func:`decide_draft_forward`, counted; the forwards it runs are
+        the next step's cost."""
+        decide_draft_forward(plan, verifying, self.free_pause, self.defer_prompts)
+        if plan.deferred_rows is not None:
+            self.stats.deferred_prefill_tokens += int(query_lens[plan.deferred_rows].sum())
+        runs = plan.runs_draft_forward
+        self._last_draft_forwards = max(plan.draft_steps, 1) if runs else 0
+        self.stats.skipped_draft_forwards += not runs
+
     def _exploration_due(self) -> bool:
         """Whether :meth:`_explore` may change this plan: a warm-up plan, or
         an exploration's interval is up (otherwise it only counts the plan)."""
@@ -265,7 +316,7 @@ class GoodputController(ForcedDrafts):
 
     def _costs(self) -> StepCosts:
         """The step-cost model as the loops price a step with."""
-        return self.cost.kernel_args(self._catch_up_timed)
+        return self.cost.kernel_args()
 
     def _noted(self, plan: DraftPlan, limits: np.ndarray, counts: tuple) -> DraftPlan:
         """The plan with its catch-up limits; the engine's counts."""
@@ -291,38 +342,16 @@ class GoodputController(ForcedDrafts):
         if len(stats.finished_paused_fractions) > FOLD_AT:
             stats.fold()
 
-    def slots(self, req_ids: list[str]) -> np.ndarray:
-        """The slots of requests planned and not finished."""
-        return self.requests.slots(req_ids)
-
-    def request_figures(self) -> dict[str, dict[str, int]]:
-        """Per live request: decode steps drafted and paused."""
-        return {req_id: {"drafted_steps": int(self.state.drafted_steps[slot]),
-                         "paused_steps": int(self.state.paused_decode_steps[slot])}
-                for req_id, slot in self.requests.items()}
-
     # ---- internals -------------------------------------------------------
 
     def _observe_cost(self, verified: int, now: float, piecewise: bool = False) -> None:
-        last = self._last_time
-        if last is None:
-            return
-        seconds = now - last
-        features = self.cost.features(verified, self._last_draft_forwards,
-                                      self._last_catch_up_tokens, piecewise)
-        if self.cost.observations >= 8 and self.cost.knows(features):
-            # (A step of a kind not seen lately, a catch-up or a number of
-            # draft steps, shows a cost the model has yet to learn.)
-            predicted = float(self.cost.predict(features))
-            if predicted > 0:
-                if seconds > self.parameters.stall_factor * predicted:
-                    return  # an idle engine or a stall, not a step's cost
-                # One slow step (a request's first retrieval, the host's
-                # hiccup) moves the model as far as a 1.5x one: otherwise
-                # it can price a number of draft steps out for a whole run.
-                seconds = min(seconds, self.parameters.slow_step_clip * predicted)
-        self.cost.observe(features, seconds)
-        self._catch_up_timed |= self._last_catch_up_tokens > 0
+        """Learn the step just verified: the seconds since the last plan."""
+        if self._last_time is not None:
+            self.cost.observe_step(
+                self.cost.features(verified, self._last_draft_forwards,
+                                   self._last_catch_up_tokens, piecewise),
+                now - self._last_time, self.parameters.stall_factor,
+                self.parameters.slow_step_clip)
 
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:
@@ -330,7 +359,7 @@ class GoodputController(ForcedDrafts):
         drafts: where a new request would draft, or within the prompt budget."""
         if self._new_request_drafts(survival, drafting, resume, prompting, num_requests):
             return True
-        cost = self._catch_up_seconds() * int(query_lens[prompting].sum())
+        cost = self.cost.catch_up_seconds() * int(query_lens[prompting].sum())
         if cost > self._prompt_budget:
             return False
         self._prompt_budget -= cost
@@ -354,3 +383,64 @@ class GoodputController(ForcedDrafts):
             resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
             draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())
+
+    def _affordable(self, budgets: np.ndarray, draft_steps: int, drafting: np.ndarray,
+                    decoding: np.ndarray, least: np.ndarray) -> np.ndarray:
+        """``[rows]``: the ``decoding`` rows not ``drafting`` anyway whose
+        budgets cover ``draft_steps`` forced drafts, the least catch-up
+        (``least`` tokens) and their share of the draft forwards (split with
+        the rows that join and those drafting: ``plan_kernels.share_forwards``)."""
+        return affordable(budgets, least, floats(self.cost.weights), draft_steps,
+                          flags(drafting), flags(decoding), self.cost.forced_catch_up_seconds())
+
+    def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
+                 least: np.ndarray) -> DraftPlan:
+        """Warm-up (``WARM_UP``; a warm-up row joins only with no more than
+        ``min_probe_catch_up`` tokens to catch up: not a prompt the draft
+        lacks); after that, every ``explore_interval`` plans, one that
+        departs from the choice: every row drafting D (D cycling through
+        1..K) or, while some rows draft, every other time none. The cost
+        model then keeps seeing every number of draft steps. A row not
+        drafting on its estimates joins an exploring draft only when its
+        probe budget covers it (the exploration waits for one that does)."""
+        if not decoding.any():
+            return plan
+        if self._warm_up_plans < len(WARM_UP):
+            drafts = WARM_UP[self._warm_up_plans] == "draft"
+            self._warm_up_plans += 1
+            # Unpriced: a row joins with no more to catch up than a probe
+            # would (not a prompt the draft lacks, which it would catch up whole).
+            rows = decoding & (least <= self.parameters.min_probe_catch_up) & drafts
+            steps = self.num_speculative_tokens if rows.any() else 0
+            return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
+        self._since_exploration += 1
+        if self._since_exploration < self.parameters.explore_interval:
+            return plan
+        if plan.draft_steps > 0 and self.stats.explorations % 2 == 0:
+            plan = DraftPlan(np.zeros_like(plan.draft_lengths), 0, plan.expected_goodput)
+        else:
+            steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
+            drafting = plan.draft_lengths > 0
+            rows = decoding & (
+                drafting | self._affordable(budgets, steps, drafting, decoding, least))
+            if not rows.any():
+                return plan  # until a budget covers it
+            plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
+        self.stats.explorations += 1
+        self._since_exploration = 0
+        return plan
+
+
+def decide_draft_forward(plan: DraftPlan, verifying: np.ndarray, free_pause: bool,
+                         defer_prompts: bool) -> None:
+    """Whether ``plan``'s draft forward runs (``plan.runs_draft_forward``):
+    unless nobody drafts and the drafter can catch up later (``free_pause``);
+    with rows in their prompt (not ``verifying``), unless the drafter may
+    ``defer_prompts`` and the plan keeps them from the draft
+    (``draft_prefill``). Rows whose prompt chunks then skip the draft:
+    ``plan.deferred_rows``."""
+    prefilling = not verifying.all()
+    runs = not (free_pause and plan.draft_steps == 0 and not (
+        prefilling and (plan.draft_prefill or not defer_prompts)))
+    plan.runs_draft_forward = runs
+    plan.deferred_rows = ~verifying if prefilling and not runs else None

@@ -5,7 +5,7 @@ dozen positional arrays, and a new per-request or per-row field is one line
 here and one where it is used.
 
 Arrays are contiguous, of one dtype each (``common/kernel_args.py``), so
-every loop compiles once per process (when ``DraftControl`` is built:
+every loop compiles once per process (when a drafter's ``SpeculationControl`` is built:
 ``control/warm_up.py``).
 """
 

@@ -67,13 +67,12 @@ class ControlParameters:
 
 @dataclass(slots=True)
 class StepOutcome:
-    """What the engine did with the last plan, beyond the lengths the next
-    plan's batch shows (None: not reported)."""
+    """What the engine did with the last plan that the plan did not decide,
+    beyond the lengths the next plan's batch shows."""
 
-    draft_forwards: int | None = None
-    """Draft forwards the step ran (0: skipped; one first pass when rows
-    prefill or the drafter cannot skip)."""
     catch_up_tokens: int = 0
     """Tokens its first pass caught up (verified while the draft paused)."""
-    deferred_prefill_tokens: int = 0
-    """Prompt tokens it did not run through the draft."""
+    draft_forwards: int | None = None
+    """Draft forwards the step ran, where an engine ran other than the plan
+    said (None: as planned, ``plan.runs_draft_forward``); simulated engines
+    in the tests set it."""

@@ -19,7 +19,7 @@ import numpy as np
 from vllm_specextend.common.compiled import compiled
 from vllm_specextend.control.acceptance import observe_verified, survival_rows
 from vllm_specextend.control.choice_kernel import choose_step_lengths
-from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, step_seconds
+from vllm_specextend.control.cost_model import NUM_LINEAR_FEATURES, catch_up_prices, step_seconds
 from vllm_specextend.control.kernel_state import StepShape
 
 UNLIMITED = np.iinfo(np.int64).max
@@ -138,24 +138,22 @@ def affordable(budgets, least, weights, draft_steps, drafting, decoding, per_cat
 
 
 @compiled
-def catch_up_prices(weights, timed):
-    """Seconds per caught-up token, and per token of a forced draft's
-    catch-up (see ``ForcedDrafts._catch_up_seconds`` and
-    ``_forced_catch_up_seconds``)."""
-    verified = weights[1]
-    if not timed:
-        return verified, 0.0
-    learnt = verified if verified < weights[2] else weights[2]  # Python's min(learnt, verified)
-    return learnt, learnt
-
-
-@compiled
 def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step):
-    """Per row, what forced drafts may do (see ``ForcedDrafts``, in
-    ``control/forced_drafts.py``), into ``scratch``: whether it probes, its
-    least catch-up, paused plans and probe back-off (from ``requests``), its
-    budget (``budget_per_paused_step`` per paused plan) and resume seconds
-    (none when the step's ``gaps`` are not given)."""
+    """Per row, what forced drafts (probes, warm-up, exploration) may do,
+    into ``scratch``: whether it probes, its least catch-up, paused plans
+    and probe back-off (from ``requests``), its budget and resume seconds
+    (none when the step's ``gaps`` are not given).
+
+    A row's budget is the seconds its next forced drafts may cost:
+    ``probe_budget`` of its share of the steps it paused in since it last
+    drafted (``budget_per_paused_step`` per paused plan, priced at this
+    batch's predicted step without drafts). It catches up
+    ``min_probe_catch_up`` tokens at least (all of its gap where it must
+    catch up a whole gap, then no budget until a catch-up was timed). Its
+    resume seconds: what drafting on its estimates adds to its step,
+    catching up its gap once, spread over as many steps as the request has
+    decoded (at least a probe interval; it is expected to run about as long
+    again); a probe's catch-up is its budget's."""
     slots, gaps, whole = step.slots, step.gaps, step.whole
     weights, timed = costs.weights, costs.catch_up_timed
     per_token, per_forced_token = catch_up_prices(weights, timed)

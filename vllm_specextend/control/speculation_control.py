@@ -1,29 +1,43 @@
-"""Goodput control inside a vLLM worker: the controller's per-step plan, the
-draft KV frontier of each request, and what the drafter's first pass must
-catch up when drafting resumes.
+"""Goodput control of one drafter: the one object a drafter adapter
+(``drafters/``) holds for it, beside its ``DraftRetrieval`` (either may be
+absent). It composes
 
-A step in which no request drafts and none is prefilling skips the draft's
-forward when the drafter can catch up: a draft model from token ids, an EAGLE
-head also from the target's hidden states kept for it
-(``paused_hidden_states.py``). The tokens verified meanwhile have no draft
-KV; each request's frontier says from where, and the next forward prepends
-them to the request's query (``catch_up_starts``), up to the drafter's token budget and, for a head,
-the positions kept (older ones stay holes: the draft reads stale KV there,
-the target's output does not change).
+- the :class:`~vllm_specextend.control.goodput.GoodputController`, which
+  decides each request's drafts and whether the draft's forward runs;
+- each request's draft KV frontier (:class:`DraftKvFrontiers`): what a
+  resumed request must catch up;
+- an EAGLE head's kept target hidden states (:class:`PausedHiddenStates`) and
+  the pinned staging of the host-built indices.
 
-A request catches up all of its gap only when it drafts on its acceptance
-estimates. A probe catches up the recent tokens its budget buys (the plan's
-``catch_up_limits``) and a paused request in a forward that runs for others
-none; both keep their frontier, so drafting on estimates later catches up the
-rest.
+The adapter calls it at three points:
 
-Prompts too: when nobody drafts and a caught-up new request would not draft
-either (``DraftPlan.draft_prefill``), a step of prompt chunks skips the
-draft's forward, and the request starts behind (it resumes on its estimates,
-its catch-up priced, or probes once its budget covers all of its gap).
-Blocks whose draft KV lacks tokens (deferred prompts, pauses, holes) can
-reach the prefix cache: a request whose cache hit holds one starts behind
-from it, so its draft never reads them as its own.
+- construction (:meth:`SpeculationControl.for_drafter`, after
+  ``warm_up_control`` compiled its loops): built with what the drafter can
+  catch up (a draft model from token ids, an EAGLE head also from
+  the target's hidden states kept for it);
+- model load (:meth:`~SpeculationControl.allocate_paused_hidden_states`): a
+  head's ring of the target's recent hidden states, before vLLM measures
+  memory;
+- every proposal: :meth:`~SpeculationControl.plan` (each request's drafts,
+  and whether the draft's forward runs at all), then
+  :meth:`~SpeculationControl.catch_up` (the tokens verified while the
+  draft's forward was skipped, staged for the first pass; the V1 adapter
+  puts them into the runner's inputs, ``drafters/v1_catch_up.py``).
+
+A step in which nobody drafts skips the draft's forward when the drafter can
+catch up. A request catches up all of its gap only when it drafts on its
+acceptance estimates; a probe catches up the recent tokens its budget buys
+(the plan's ``catch_up_limits``) and a paused request in a forward that runs
+for others none; both keep their frontier, so drafting on estimates later
+catches up the rest. Prompts too: when nobody drafts and a caught-up new
+request would not draft either, a step of prompt chunks skips the draft's
+forward and the request starts behind.
+
+Control never calls back into the adapter: the adapter hands it the runner's
+host state it needs (block table, token ids) as arguments. The host-side
+steps (:meth:`~SpeculationControl.plan_step`,
+:meth:`~SpeculationControl.catch_up_starts`) need no device: the tests and
+the warm-up drive them directly.
 """
 
 from __future__ import annotations
@@ -31,31 +45,35 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from vllm_specextend.common.kernel_args import ints
+from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
+from vllm_specextend.common.staging import IndexStager
+from vllm_specextend.control.catch_up import CatchUp, catch_up_layout
 from vllm_specextend.control.draft_lengths import (
     NO_PLANNED_DRAFT_LENGTHS,
     PlannedDraftLengths,
 )
-from vllm_specextend.control.frontier_kernels import (
-    advance_frontiers,
-    block_ranges,
-    catch_up_rows,
-    end_step,
-    filled_blocks,
-    forget,
-    new_rows,
-)
+from vllm_specextend.control.frontiers import DraftKvFrontiers
 from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
-from vllm_specextend.control.kernel_state import BlockTable, FrontierState
-from vllm_specextend.control.parameters import ControlParameters
+from vllm_specextend.control.parameters import (
+    MAX_PROBE_BACKOFF,
+    PROBE_INTERVAL,
+    ControlParameters,
+)
+from vllm_specextend.control.paused_hidden_states import PausedHiddenStates
+from vllm_specextend.log import plugin_logger
+
+logger = plugin_logger(__name__)
 
 
 class SpeculationControl:
-    """Per engine step: how many drafts each request gets, and whether the
-    draft's forward runs. Per-request state is held in arrays by request
-    slot (:class:`RequestSlots`, shared with the controller)."""
+    """Per engine step: how many drafts each request gets, whether the
+    draft's forward runs, and what its first pass catches up. Per-request
+    state is held in arrays by request slot (:class:`RequestSlots`, shared
+    with retrieval)."""
 
     def __init__(
         self,
@@ -69,7 +87,9 @@ class SpeculationControl:
         requests: RequestSlots | None = None,
         parameters: ControlParameters = ControlParameters(),
     ) -> None:
-        """Args:
+        """Host-side control (a drafter's: :meth:`for_drafter`).
+
+        Args:
             free_pause: a step where nobody drafts skips the draft's forward.
             synced_lead: draft KV positions past the verified tokens that a
                 forward leaves right (a draft model's writes the sampled
@@ -81,45 +101,168 @@ class SpeculationControl:
                 draft model at the target's positions).
             full_graph_query_len: ``1 + K`` when the target replays FULL CUDA
                 graphs for uniform decode steps only: the controller learns
-                what leaving them costs (``GoodputController``).
+                what leaving them costs.
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
             parameters: the controller's tuning.
-
-        (Long for the arguments' and fields' docs: it only assigns.)
         """
-        self.free_pause = free_pause
-        self.defer_prompts = defer_prompts and free_pause
-        self.synced_lead = synced_lead
-        self.max_catch_up = max_catch_up
+        self.controller = GoodputController(
+            max_num_reqs, num_speculative_tokens, free_pause, parameters=parameters,
+            full_graph_query_len=full_graph_query_len, requests=requests,
+            defer_prompts=defer_prompts)
+        self.requests = self.controller.requests
+        self._owns_requests = requests is None
+        self.kv_frontiers = DraftKvFrontiers(max_num_reqs, synced_lead, max_catch_up)
+        self.requests.subscribe(left=self.kv_frontiers.forget)
         self.clock = time.perf_counter
         """Seconds now (tests simulate a device's step costs with it)."""
-        self.controller = GoodputController(max_num_reqs, num_speculative_tokens, free_pause,
-                                            parameters=parameters,
-                                            full_graph_query_len=full_graph_query_len,
-                                            requests=requests)
-        self.controller.requests.subscribe(left=self._forget)
         self.draft_lengths = NO_PLANNED_DRAFT_LENGTHS
         """Drafts each request of the last plan keeps (the runner truncates to them)."""
         self._limits: tuple[list[str], np.ndarray] | None = None
         """The last plan's requests and catch-up limits (None: no limits)."""
-        self.kv_state = FrontierState.new(max_num_reqs)
-        """Each request's draft KV frontier, by slot (``FrontierState``). A
-        deferred request (its draft prefill skipped) is probed with all of
-        its gap (with holes in the prompt a probe would not measure the
-        draft). A lagging one, left behind its frontier by the last step, has
-        its blocks from the frontier's on turn stale when it leaves behind; a
-        prefix hit on them meanwhile is stale too."""
-        self._blocks: BlockTable | None = None
-        """This step's host block table rows and block size (None: not kept)."""
-        self._stale_blocks: set[int] = set()
-        """KV blocks whose draft KV lacks tokens the target wrote, left so by
-        requests that finished behind their frontier or caught up with holes:
-        a request that finds one in the prefix cache catches up from it."""
-        self._holes: list[int] = []
-        """Blocks this step's catch-up leaves holes in (stale from the next plan)."""
+        self.max_num_reqs = max_num_reqs
+        self.hidden_capacity = 0
+        """Positions of the target's hidden states kept per request (0: none)."""
+        self.paused_hidden: PausedHiddenStates | None = None
+        """An EAGLE head's recent inputs, for its catch-up (model load)."""
+        self._host_staging: IndexStager | None = None
+        """Pinned staging of host-built indices (a drafter's only)."""
+        self.max_num_tokens = 0
+        self.device = torch.device("cpu")
 
-    def plan(
+    @classmethod
+    def for_drafter(
+        cls,
+        *,
+        method: str,
+        num_speculative_tokens: int,
+        keeps_hidden_states: bool,
+        compact_positions: bool,
+        steps_in_flight: int,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        device: torch.device,
+        requests: RequestSlots | None = None,
+        full_graph_query_len: int | None = None,
+    ) -> SpeculationControl:
+        """A drafter's control (its loops compiled beforehand:
+        :func:`~vllm_specextend.control.warm_up.warm_up_control`).
+
+        Args:
+            method: vLLM's speculative method.
+            keeps_hidden_states: the drafter is fed the target's hidden
+                states (an EAGLE head): a pause keeps them for its catch-up.
+            full_graph_query_len: see :meth:`set_full_graph_query_len`
+                (an engine's is known only once its attention backends are).
+            requests: the drafter's request slots, shared with retrieval
+                (None: its own).
+        """
+        is_draft_model = method == "draft_model"
+        # A request paused longer is caught up from its last positions
+        # (older ones stay holes); its next probe comes sooner than that.
+        max_catch_up = MAX_PROBE_BACKOFF * PROBE_INTERVAL if keeps_hidden_states else None
+        control = cls(
+            max_num_reqs, num_speculative_tokens,
+            # A draft model catches up from token ids; a head also needs
+            # the target's hidden states of the skipped tokens.
+            free_pause=is_draft_model or keeps_hidden_states,
+            # A draft model's forward also writes the sampled token's KV;
+            # a head's needs the token after it.
+            synced_lead=1 if is_draft_model else 0,
+            max_catch_up=max_catch_up,
+            # A prompt at compact positions is prefilled in chunks the
+            # window allows; a head keeps only recent hidden states.
+            defer_prompts=is_draft_model and not compact_positions,
+            full_graph_query_len=full_graph_query_len,
+            requests=requests,
+        )
+        if keeps_hidden_states:
+            control.hidden_capacity = max_catch_up + num_speculative_tokens + 1
+        # Host-built indices (kept hidden states, catch-up layout): eight
+        # lists a step, each at most a step's tokens.
+        control.max_num_tokens = max_num_tokens
+        control.device = device
+        control._host_staging = IndexStager(
+            max(max_num_tokens, max_num_reqs + 1), device,
+            depth=max(2, steps_in_flight), lists_per_step=8)
+        return control
+
+    def set_full_graph_query_len(self, full_graph_query_len: int | None) -> None:
+        """The query length of every request in a decode step that replays the
+        target's FULL CUDA graphs (``1 + K``; None: none), read once vLLM has
+        settled its graph mode: its runner may change it when it sets up the
+        attention backends, after the drafter is built."""
+        self.controller.set_full_graph_query_len(full_graph_query_len)
+
+    def allocate_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
+        """At model load, for a drafter fed the target's hidden states (an
+        EAGLE head): keep the recent ones, so that a pause skips the head's
+        forward too and a later forward catches up."""
+        assert self.hidden_capacity and self._host_staging is not None, (
+            "built for a drafter that keeps no hidden states")
+        self.paused_hidden = PausedHiddenStates(
+            self.max_num_reqs, self.hidden_capacity, width, dtype, self.device)
+        logger.info(
+            "SpecExtend: goodput control keeps the target's hidden states of the last %d "
+            "positions per request for the head (%.1f MiB)", self.hidden_capacity,
+            self.paused_hidden.states.numel() * self.paused_hidden.states.element_size() / 2**20)
+
+    # ---- per step: the drafter's ------------------------------------------
+
+    def plan(self, batch: PlanningBatch, block_table: np.ndarray, block_size: int,
+             target_hidden_states: torch.Tensor | None) -> int | None:
+        """This step's plan: the most drafts a request keeps, or None when
+        nobody drafts (no forward, no retrieval: caught up later).
+        ``block_table``: the runner's host block table of the step's rows."""
+        plan = self.plan_step(batch.req_ids, batch.context_lens_cpu, batch.query_lens_cpu,
+                              batch.prompt_lens_cpu, block_table, block_size)
+        self._host_staging.next_step()
+        # Kept every step: a request may catch up later what a forward that
+        # ran left behind it (paused, or probing a part of its gap).
+        if self.paused_hidden is not None:
+            token_slots = np.repeat(self.requests.slots(batch.req_ids), batch.query_lens_cpu)
+            self.paused_hidden.record(self._host_staging(token_slots), batch.positions,
+                                      target_hidden_states)
+        return plan.draft_steps if plan.runs_draft_forward else None
+
+    def catch_up(self, batch: PlanningBatch, token_ids_cpu: np.ndarray) -> CatchUp | None:
+        """What this step's first pass catches up, staged on the device: per
+        row, the tokens verified while the draft's forward was skipped (its
+        KV frontier onwards; ids read from the runner's ``token_ids_cpu``),
+        to run before its query like a longer prompt chunk (their draft KV
+        is written, the drafts follow the query as usual); a head's also
+        with their kept hidden states. None without free pauses or gaps. The
+        runner's own inputs are the adapter's to rewrite
+        (``drafters/v1_catch_up.py``)."""
+        if not self.controller.free_pause:
+            return None
+        num_rows = len(batch.req_ids)
+        context_lens = np.asarray(batch.context_lens_cpu, dtype=np.int64)
+        query_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
+        num_tokens = int(query_lens.sum())
+        budget = self.max_num_tokens - num_tokens - 2 * num_rows
+        starts = self.catch_up_starts(batch.req_ids, context_lens, budget)
+        if starts is None:
+            return None
+        layout = catch_up_layout(query_lens, starts, context_lens - starts)
+        # Host-built arrays reach the device through pinned staging only (a
+        # copy from pageable memory would block).
+        stage = self._host_staging
+        gap_positions = stage(layout.gap_positions)
+        gap_hidden = None
+        if self.paused_hidden is not None:
+            gap_slots_of_requests = stage(self.requests.slots(batch.req_ids)[layout.gap_rows])
+            gap_hidden = self.paused_hidden.gather(gap_slots_of_requests, gap_positions)
+        return CatchUp(
+            layout=layout, num_rows=num_rows, num_tokens=num_tokens, order=stage(layout.order),
+            gap_positions=gap_positions,
+            gap_ids=stage(token_ids_cpu[layout.gap_rows, layout.gap_positions]),
+            gap_rows=stage(layout.gap_rows), row_shift=stage(layout.row_shift),
+            gap_hidden=gap_hidden, stage=stage)
+
+    # ---- per step: on the host --------------------------------------------
+
+    def plan_step(
         self,
         req_ids: list[str],
         context_lens: np.ndarray,
@@ -127,108 +270,28 @@ class SpeculationControl:
         prompt_lens: np.ndarray,
         block_table: np.ndarray | None = None,
         block_size: int = 0,
-    ) -> tuple[DraftPlan, bool]:
-        """This step's plan and whether the draft's forward runs
-        (``block_table``: the rows' KV block ids on the host, to keep prefix
-        cache hits on blocks without the draft's KV right; None: not kept)."""
-        self._blocks = (None if block_table is None
-                        else BlockTable(_table(block_table), int(block_size)))
-        slots = self.controller.admit(req_ids)
+    ) -> DraftPlan:
+        """This step's plan (``plan.runs_draft_forward``: whether the
+        draft's forward runs; ``block_table``: the rows' KV block ids on the
+        host, to keep prefix cache hits on blocks without the draft's KV
+        right; None: not kept)."""
+        frontiers = self.kv_frontiers
+        frontiers.keep_block_table(block_table, block_size)
+        slots = self.requests.of_step(req_ids, self._owns_requests)
         now = self.clock()
         context_lens, query_lens = ints(context_lens), ints(query_lens)
-        starts, gaps, whole, prefilling = self._advance_frontiers(slots, context_lens,
-                                                                  ints(prompt_lens))
+        starts, gaps, whole, _ = frontiers.advance(slots, context_lens, ints(prompt_lens))
         plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
                                     catch_up_gaps=gaps, whole_catch_up=whole)
         planned = list(req_ids)
         self.draft_lengths = PlannedDraftLengths(planned, plan.draft_lengths)
         self._limits = None if plan.catch_up_limits is None else (planned, plan.catch_up_limits)
-        runs = not (self.free_pause and plan.draft_steps == 0 and not (
-            prefilling and (plan.draft_prefill or not self.defer_prompts)))
-        deferred_tokens = 0
-        if prefilling and not runs:
+        if plan.deferred_rows is not None:
             # A caught-up request would not draft now: its prompt waits.
-            prefilling_rows = context_lens < prompt_lens
-            self.kv_state.deferred[slots[prefilling_rows]] = True
-            deferred_tokens = int(query_lens[prefilling_rows].sum())
-        self.controller.observe(StepOutcome(
-            draft_forwards=max(plan.draft_steps, 1) if runs else 0,
-            deferred_prefill_tokens=deferred_tokens))
-        self._end_step(slots, runs, starts, context_lens, query_lens, plan.catch_up_limits, gaps)
-        return plan, runs
-
-    def _forget(self, left: list[str], slots: np.ndarray) -> None:
-        """Requests that left the batch: the blocks of one that left behind
-        its frontier turn stale."""
-        stale = forget(slots, self.kv_state)
-        if stale.size:
-            self._stale_blocks.update(stale.tolist())
-
-    def _advance_frontiers(self, slots: np.ndarray, context_lens: np.ndarray,
-                           prompt_lens: np.ndarray) -> tuple:
-        """Each request's draft KV frontier after the last step; blocks the
-        last forward filled leave the stale set, its holes join it. Returns
-        per row its frontier, its gap (the verified tokens its draft KV
-        lacks, for a head at most the positions kept) and whether its
-        prompt was deferred, and whether a row is prefilling."""
-        new = new_rows(slots, self.kv_state)
-        new_starts = np.empty(len(new), dtype=np.int64)
-        if self._stale_blocks and self._blocks is not None:
-            # The last forward wrote the verified tokens (and, for a draft
-            # model, the token at ``context_len``): in row order, as a new
-            # request's first stale block is looked up among them.
-            start = 0
-            for i, row in enumerate([*new.tolist(), len(slots)]):
-                self._stale_blocks.difference_update(filled_blocks(
-                    self._blocks, slots, context_lens, self.kv_state, self.synced_lead, start,
-                    row).tolist())
-                if row < len(slots):
-                    new_starts[i] = self._first_stale(row, int(context_lens[row]))
-                start = row
-        else:
-            for i, row in enumerate(new.tolist()):
-                new_starts[i] = self._first_stale(row, int(context_lens[row]))
-        frontiers = advance_frontiers(
-            slots, context_lens, prompt_lens, new_starts, self.kv_state, self.synced_lead,
-            -1 if self.max_catch_up is None else self.max_catch_up)
-        self._stale_blocks.update(self._holes)
-        self._holes = []
-        return frontiers
-
-    def _first_stale(self, row: int, context_len: int) -> int:
-        """New: its draft KV is right up to ``context_len``, or up to the
-        start of the first block before it whose draft KV is stale (left so,
-        or lagging in a live request) that its prefix cache hit holds."""
-        if self._blocks is None or not context_len:
-            return context_len
-        state = self.kv_state
-        lagging = np.flatnonzero(state.lagging)
-        if not (self._stale_blocks or lagging.size):
-            return context_len
-        table, size = self._blocks
-        stale = np.fromiter(self._stale_blocks, dtype=np.int64)
-        live = block_ranges(state.lag_table, lagging, state.lag_start[lagging],
-                            state.lag_end[lagging])
-        hits = np.flatnonzero(np.isin(table[row, :-(-context_len // size)],
-                                      np.concatenate([stale, live])))
-        return int(hits[0]) * size if hits.size else context_len
-
-    def _end_step(self, slots: np.ndarray, runs: bool, starts: np.ndarray,
-                  context_lens: np.ndarray, query_lens: np.ndarray, limits: np.ndarray | None,
-                  gaps: np.ndarray) -> None:
-        """Only the requests of a forward that runs are synced; with block
-        tables kept, per request left behind its frontier (``starts``) by
-        this step (its forward did not run, or its catch-up ``limits``
-        leave part of its ``gaps``): its blocks from the frontier's on (the
-        others' are written by this step). One compiled call
-        (:func:`~vllm_specextend.control.frontier_kernels.end_step`)."""
-        blocks = _NO_TABLE if self._blocks is None else self._blocks
-        width = blocks.table.shape[1]
-        if self._blocks is not None and self.kv_state.lag_table.shape[1] != width:
-            self.kv_state = self.kv_state._replace(
-                lag_table=np.zeros((len(self.kv_state.lagging), width), dtype=np.int64))
-        end_step(slots, runs, self.kv_state, blocks, starts, context_lens + query_lens,
-                 _NO_LIMITS if limits is None else limits, gaps)
+            frontiers.defer(slots[plan.deferred_rows])
+        frontiers.end_step(slots, plan.runs_draft_forward, starts, context_lens, query_lens,
+                           plan.catch_up_limits, gaps)
+        return plan
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
                         budget: int) -> np.ndarray | None:
@@ -239,33 +302,27 @@ class SpeculationControl:
         holes). Rows left short keep their frontier (they are no longer
         synced), the holes turn stale at the next plan, and the controller
         learns the tokens' cost."""
-        slots = self.controller.slots(req_ids)
-        limits = _NO_LIMITS
+        slots = self.requests.slots(req_ids)
+        limits = None
         if self._limits is not None:
             plan_ids, limits = self._limits
             if req_ids != plan_ids:
                 limit_of = dict(zip(plan_ids, limits.tolist()))
                 limits = np.array([limit_of[r] for r in req_ids], dtype=np.int64)
-        starts, tokens, holes = catch_up_rows(
-            slots, ints(context_lens), self.kv_state,
-            -1 if self.max_catch_up is None else self.max_catch_up, limits, budget,
-            _NO_TABLE if self._blocks is None else self._blocks)
+        starts, tokens = self.kv_frontiers.catch_up(slots, ints(context_lens), limits, budget)
         if tokens < 0:
             return None
-        self._holes += holes.tolist()
         self.controller.observe(StepOutcome(catch_up_tokens=tokens))
         return starts
 
     def frontiers(self, req_ids: list[str]) -> np.ndarray:
         """Per row, its draft KV frontier (every position before it is right)."""
-        return self.kv_state.frontier[self.controller.slots(req_ids)]
+        return self.kv_frontiers.of(self.requests.slots(req_ids))
 
-    def slots(self, req_ids: list[str]) -> np.ndarray:
-        """Each planned request's slot (``0 .. max_num_reqs - 1``)."""
-        return self.controller.slots(req_ids)
+    # ---- the runner, the worker and the benchmarks ------------------------
 
     def metrics_snapshot(self) -> dict[str, object]:
-        stats = self.controller.stats
+        stats, state = self.controller.stats, self.controller.state
         return {
             "drafted_request_steps": stats.drafted_request_steps,
             "paused_request_steps": stats.paused_request_steps,
@@ -276,17 +333,8 @@ class SpeculationControl:
             "deferred_prefill_tokens": stats.deferred_prefill_tokens,
             "chosen_draft_lengths": stats.chosen_lengths.tolist(),
             "request_paused_fraction": stats.request_paused_fraction.as_dict(),
-            "requests": self.controller.request_figures(),
+            # Per live request: decode steps drafted and paused.
+            "requests": {req_id: {"drafted_steps": int(state.drafted_steps[slot]),
+                                  "paused_steps": int(state.paused_decode_steps[slot])}
+                         for req_id, slot in self.requests.items()},
         }
-
-
-
-_NO_LIMITS = np.zeros(0, dtype=np.int64)
-_NO_TABLE = BlockTable(np.zeros((0, 0), dtype=np.int64), 1)
-
-
-def _table(block_table: np.ndarray) -> np.ndarray:
-    """A host block table as the kernels take it: contiguous, int32 (vLLM's)
-    or int64 (no copy when already so)."""
-    dtype = block_table.dtype if block_table.dtype in (np.int32, np.int64) else np.int64
-    return np.ascontiguousarray(block_table, dtype=dtype)

@@ -60,10 +60,10 @@ def _scripted_run(control, table_dtype) -> None:
             tables["d"] = [1, 2, 3, 23, 24, 25, 26, 27]
         req_ids = list(prompts)
         table = np.array([tables[r] for r in req_ids], dtype=table_dtype)
-        plan, runs = control.plan(req_ids, np.array([context[r] for r in req_ids]),
-                                  np.array([query[r] for r in req_ids]),
-                                  np.array([prompts[r] for r in req_ids]), table, 4)
-        if runs:
+        plan = control.plan_step(req_ids, np.array([context[r] for r in req_ids]),
+                                 np.array([query[r] for r in req_ids]),
+                                 np.array([prompts[r] for r in req_ids]), table, 4)
+        if plan.runs_draft_forward:
             control.catch_up_starts(req_ids, np.array([context[r] for r in req_ids]),
                                     4 if step % 3 else 10_000)
         clock[0] += 0.05 + 0.01 * plan.draft_steps + 0.001 * rng.random()

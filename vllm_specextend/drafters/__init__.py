@@ -2,7 +2,7 @@
 class and the runner's mixin of overrides, and holds the two features side
 by side (``features.py``): an optional
 :class:`~vllm_specextend.retrieval.owner.DraftRetrieval` and an optional
-:class:`~vllm_specextend.control.owner.DraftControl`. The overrides only
+:class:`~vllm_specextend.control.speculation_control.SpeculationControl`. The overrides only
 hand the runner's inputs to each feature and the retrieval's view to the
 draft's attention metadata; they are the only code that writes the runner's
 state (the request slots both features share, the first pass's inputs).

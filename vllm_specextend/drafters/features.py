@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm_specextend.common.request_slots import RequestSlots
 from vllm_specextend.control.draft_lengths import PlannedDraftLengths
-from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.control.speculation_control import SpeculationControl
 from vllm_specextend.retrieval.owner import DraftRetrieval
 
 
@@ -22,7 +22,7 @@ class DrafterFeatures:
     retrieval: DraftRetrieval | None = None
     """Retrieval (``mode`` other than ``off``); always there in MRV2, where
     goodput control does not run."""
-    control: DraftControl | None = None
+    control: SpeculationControl | None = None
     """Goodput control (``speculation_control``); V1 runner only."""
 
     def planned_draft_lengths(self) -> PlannedDraftLengths | None:

@@ -3,7 +3,7 @@
 vLLM's V1 drafters derive from ``SpecDecodeBaseProposer``
 (``v1/spec_decode/llm_base_proposer.py``); :class:`V1Overrides` is mixed in
 before the stock class, holds a :class:`DraftRetrieval` and, under goodput
-control, a :class:`DraftControl`, and changes only this:
+control, a :class:`SpeculationControl`, and changes only this:
 
 - ``load_model`` attaches :class:`DraftRetrieval` to the target's last
   attention layer (and gives an EAGLE head's control its kept hidden states);
@@ -41,7 +41,8 @@ from vllm_specextend.common.engine_setup import (
 )
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
-from vllm_specextend.control.owner import DraftControl
+from vllm_specextend.control.speculation_control import SpeculationControl
+from vllm_specextend.control.warm_up import warm_up_control
 from vllm_specextend.drafters.features import DrafterFeatures
 from vllm_specextend.drafters.v1_catch_up import with_catch_up
 from vllm_specextend.retrieval.owner import DraftRetrieval
@@ -69,9 +70,10 @@ class V1Overrides(DrafterFeatures):
                 device=device,
                 requests=self.requests,
             )
-        self.control: DraftControl | None = None
+        self.control: SpeculationControl | None = None
         if setup.config.controls_speculation:
-            self.control = DraftControl(
+            warm_up_control()  # compiled (or loaded) now, not at the first step
+            self.control = SpeculationControl.for_drafter(
                 method=setup.method,
                 num_speculative_tokens=setup.num_speculative_tokens,
                 # A head fed the target's hidden states (EAGLE's default pathway).
@@ -138,8 +140,7 @@ class V1Overrides(DrafterFeatures):
         )
         # The request slots' one writer: both features look this step's up.
         self.requests.update(batch.req_ids)
-        controlled = self.control is not None and self.control.speculation is not None
-        if controlled:
+        if self.control is not None:
             block_table = self.runner.input_batch.block_table[self.kv_cache_gid]
             draft_steps = self.control.plan(
                 batch, block_table.get_numpy_array()[: len(batch.req_ids)], self.block_size,

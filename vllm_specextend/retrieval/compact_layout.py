@@ -7,7 +7,7 @@ working cache are read from the request's own area.
 :class:`CompactLayout` is a base of
 :class:`~vllm_specextend.retrieval.planner.RetrievalPlanner`, which sets the
 attributes annotated below and provides ``_sink_blocks`` and ``_num_blocks``
-(``_area_of_slot`` comes from
+(``_rows``, the per-slot state with each request's area, comes from
 :class:`~vllm_specextend.retrieval.request_rows.RequestRows`, ``_chunk_scores``
 from :class:`~vllm_specextend.retrieval.chunk_scoring.ChunkScoring`).
 """
@@ -24,6 +24,7 @@ from vllm_specextend.retrieval.draft_view import PrivateLayouts, WorkingCacheRew
 from vllm_specextend.retrieval.kernels.selection import select_blocks
 from vllm_specextend.retrieval.repositioning import streaming_recent_start_block
 from vllm_specextend.retrieval.request_rows import StepRows
+from vllm_specextend.retrieval.row_kernels import RetrievalRowState
 
 
 class CompactLayout:
@@ -38,7 +39,7 @@ class CompactLayout:
     use_kernels: bool
     private_layouts: PrivateLayouts | None
     _index_stager: IndexStager
-    _area_of_slot: np.ndarray
+    _rows: RetrievalRowState
     _private_blocks: torch.Tensor
 
     def _swap_in_private_blocks(
@@ -58,7 +59,7 @@ class CompactLayout:
         rows = self._index_stager(step.private_rows)
         slots = self._index_stager(private_slots)
         first_blocks = self._index_stager(
-            layouts.first_block + self._area_of_slot[private_slots] * layouts.blocks_per_area)
+            layouts.first_block + self._rows.area_of_slot[private_slots] * layouts.blocks_per_area)
         laid_out = np.concatenate((step.due_rows, step.windowed_prefill_rows))
         rewritten = self._index_stager(np.isin(step.private_rows, laid_out))
         context_blocks = (kept_context_lens[rows] // self.block_size).clamp(

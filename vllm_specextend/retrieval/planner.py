@@ -374,15 +374,15 @@ class RetrievalPlanner(RequestRows, ChunkScoring, CompactLayout):
         """Aggregate and per-request retrieval figures (reads the device)."""
         return {
             **self.stats.as_dict(),
-            "tracked_requests": int(self._tracked.sum()),
+            "tracked_requests": int(self._rows.tracked.sum()),
             "private_layout_areas": self.private_layouts.areas if self.private_layouts else 0,
             "layouts_in_place": self.layouts_in_place,
             "request_kept_fraction": self.stats.request_kept_fraction.as_dict(),
             "request_acceptance_length": self.stats.request_acceptance_length.as_dict(),
             "requests": {
-                req_id: {"retrievals": int(self._refresh_counts[slot].sum()),
+                req_id: {"retrievals": int(self._rows.refresh_counts[slot].sum()),
                          "refreshes": dict(zip(REFRESH_CAUSES,
-                                               self._refresh_counts[slot].tolist())),
+                                               self._rows.refresh_counts[slot].tolist())),
                          **self.stats.request_figures(slot)}
                 for req_id, slot in self.tracked_requests().items()
             },

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_specextend.common.kernel_args import ints
 from vllm_specextend.common.options import SpecExtendConfig
 from vllm_specextend.common.planning_batch import PlanningBatch
 from vllm_specextend.common.request_slots import RequestSlots
@@ -29,6 +28,9 @@ from vllm_specextend.retrieval.draft_view import PrivateLayouts
 from vllm_specextend.retrieval.refresh import REFRESH_CAUSES, AcceptanceTrend
 from vllm_specextend.retrieval.row_kernels import (
     NO_REFRESH,
+    RetrievalRowState,
+    RowLengths,
+    RowRules,
     classify_rows,
     classify_step,
     note_retrievals,
@@ -52,8 +54,8 @@ def decode_rows(
     decodes; longer queries after the prompt (a preempted request recomputing
     its output) stay prefills.
     """
-    return classify_rows(ints(query_lens), ints(context_lens), ints(prompt_lens),
-                         max_num_speculative_tokens, 1, 0, False)[1]
+    return classify_rows(RowLengths.of(query_lens, context_lens, prompt_lens),
+                         RowRules.of(max_num_speculative_tokens, 1, 0, False, 1))[1]
 
 
 _ACCEPTANCE = REFRESH_CAUSES.index("acceptance")
@@ -135,23 +137,22 @@ class RequestRows:
         self.requests = requests
         requests.subscribe(left=self._requests_left)
         capacity = requests.capacity
-        # Per request slot, on the host: classification loops over these.
-        self._tracked = np.zeros(capacity, dtype=bool)
-        self._decoded = np.zeros(capacity, dtype=bool)
-        """Tracked since a decode step (else only through windowed prefill)."""
-        self._steps_since_retrieval = np.zeros(capacity, dtype=np.int64)
-        self._has_selection = np.zeros(capacity, dtype=bool)
-        self._area_of_slot = np.full(capacity, -1, dtype=np.int64)
-        """Its private layout area (-1: laid out in place)."""
-        self._refresh_counts = np.zeros((capacity, len(REFRESH_CAUSES)), dtype=np.int64)
-        """Retrievals by cause."""
+        self._rows = RetrievalRowState.new(capacity)
+        """Per request slot, on the host: classification loops over these."""
         self._acceptance: list[AcceptanceTrend | None] = [None] * capacity
         """Observed only with ``retrieval_refresh: acceptance``."""
-        self._row_state = (self._tracked, self._decoded, self._steps_since_retrieval,
-                           self._has_selection, self._area_of_slot, self._refresh_counts)
         self._step_refreshes = np.zeros(len(REFRESH_CAUSES), dtype=np.int64)
         """A step's retrievals by cause."""
         warm_up_row_kernels()
+
+    def _row_rules(self) -> RowRules:
+        """The configuration's rules for a row (read each step: the
+        benchmarks reconfigure a planner between runs)."""
+        config = self.config
+        # Prefill rows get no retrieval: the draft writes their KV once,
+        # and would keep KV computed from partial context for good.
+        return RowRules.of(self.max_num_speculative_tokens, max(config.min_context_tokens, 1),
+                           self.draft_window, self.compact_positions, config.retrieval_interval)
 
     def _classify_rows(self, batch: PlanningBatch, slots: np.ndarray) -> StepRows:
         """Host-side, over per-slot state (``slots``: the rows'), compiled
@@ -164,12 +165,8 @@ class RequestRows:
         counts.fill(0)
         (seq_lens, is_decode, beyond_window, prompt_chunks, rows, retrieval_slots, causes,
          due_rows, due_slots, due_causes, new) = classify_step(
-            ints(batch.query_lens_cpu), ints(batch.context_lens_cpu),
-            ints(batch.prompt_lens_cpu), slots, self.max_num_speculative_tokens,
-            # Prefill rows get no retrieval: the draft writes their KV once,
-            # and would keep KV computed from partial context for good.
-            max(config.min_context_tokens, 1), self.draft_window, self.compact_positions,
-            self._row_state, config.retrieval_interval, not acceptance, counts)
+            RowLengths.of(batch.query_lens_cpu, batch.context_lens_cpu, batch.prompt_lens_cpu),
+            slots, self._row_rules(), self._rows, not acceptance, counts)
         # Every field given: no default factory runs.
         step = StepRows(retrieval_rows=rows, retrieval_slots=retrieval_slots, due_rows=due_rows,
                         due_slots=due_slots, due_causes=due_causes,
@@ -191,7 +188,7 @@ class RequestRows:
             for cause, count in zip(REFRESH_CAUSES, counts.tolist()):
                 refreshes[cause] += count
         if self.private_layouts is not None:
-            private = rows[self._area_of_slot[retrieval_slots] >= 0]
+            private = rows[self._rows.area_of_slot[retrieval_slots] >= 0]
             if step.private_rows.size:
                 private = np.sort(np.concatenate((private, step.private_rows)))
             step.private_rows = private
@@ -204,7 +201,7 @@ class RequestRows:
         compact positions beyond the window, prefills windowed."""
         if not self.compact_positions:  # nothing prefills windowed
             prompt_slots = slots[~is_decode]
-            for slot in prompt_slots[self._tracked[prompt_slots]].tolist():
+            for slot in prompt_slots[self._rows.tracked[prompt_slots]].tolist():
                 self._forget(slot)
             return
         windowed_rows, last_chunk_rows, private_rows = [], [], []
@@ -228,7 +225,7 @@ class RequestRows:
         and mark the rows whose acceptance dropped (a loop over the rows:
         this option only)."""
         drop = self.config.acceptance_drop
-        steps = self._steps_since_retrieval[slots].tolist()
+        steps = self._rows.steps_since_retrieval[slots].tolist()
         for index, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
             trend = self._acceptance[slot]
             trend.observe(int(batch.context_lens_cpu[row]), int(batch.query_lens_cpu[row]),
@@ -241,8 +238,7 @@ class RequestRows:
         selections, by cause (``retrieval_refresh: acceptance``; otherwise
         :func:`~vllm_specextend.retrieval.row_kernels.classify_step` notes them)."""
         counts = np.zeros(len(REFRESH_CAUSES), dtype=np.int64)
-        note_retrievals(step.due_slots, step.due_causes, self._has_selection,
-                        self._steps_since_retrieval, self._refresh_counts, counts)
+        note_retrievals(step.due_slots, step.due_causes, self._rows, counts)
         for cause, count in zip(REFRESH_CAUSES, counts.tolist()):
             self.stats.refreshes[cause] += count
         if self.config.retrieval_refresh == "acceptance":
@@ -252,8 +248,7 @@ class RequestRows:
     def _track(self, slots: np.ndarray) -> None:
         """Start tracking the requests in ``slots``: fresh state, and a
         private area each while one is free."""
-        reset_slots(slots, self._tracked, self._decoded, self._steps_since_retrieval,
-                    self._has_selection, self._area_of_slot, self._refresh_counts)
+        reset_slots(slots, self._rows)
         self._start_tracking(slots)
 
     def _start_tracking(self, slots: np.ndarray) -> None:
@@ -262,7 +257,7 @@ class RequestRows:
         if self.private_layouts is not None:
             for slot in slots.tolist():
                 if self._free_areas:
-                    self._area_of_slot[slot] = self._free_areas.pop()
+                    self._rows.area_of_slot[slot] = self._free_areas.pop()
                 else:
                     self.layouts_in_place += 1
         if self.config.retrieval_refresh == "acceptance":
@@ -272,44 +267,44 @@ class RequestRows:
     def _forget(self, slot: int, finished: bool = True) -> None:
         """Stop tracking the request in ``slot`` (its figures are kept as a
         finished request's if it decoded)."""
-        self._tracked[slot] = False
-        if finished and self._decoded[slot]:
+        self._rows.tracked[slot] = False
+        if finished and self._rows.decoded[slot]:
             self.stats.finish_request(slot)
         else:
             self.stats.clear_slot(slot)
         self._drop_scores(slot)
-        area = int(self._area_of_slot[slot])
+        area = int(self._rows.area_of_slot[slot])
         if area >= 0:
             self._free_areas.append(area)
-            self._area_of_slot[slot] = -1
+            self._rows.area_of_slot[slot] = -1
 
     def _forget_all(self, finished: bool = True) -> None:
-        for slot in np.flatnonzero(self._tracked).tolist():
+        for slot in np.flatnonzero(self._rows.tracked).tolist():
             self._forget(slot, finished)
 
     def _forget_unless_prefilling(self, slot: int, windowed: bool) -> None:
         """A prompt chunk: the request starts over (a preempted request
         recomputes), except that with private layouts a windowed prefill
         keeps the state (and area) its earlier chunks made."""
-        if self._tracked[slot] and (not windowed or self.private_layouts is None
-                                    or self._decoded[slot]):
+        if self._rows.tracked[slot] and (not windowed or self.private_layouts is None
+                                    or self._rows.decoded[slot]):
             self._forget(slot)
 
     def _has_private_area(self, slot: int) -> bool:
         """With private layouts, a windowed prefill is tracked for its area."""
         if self.private_layouts is None:
             return False
-        if not self._tracked[slot]:
+        if not self._rows.tracked[slot]:
             self._track(np.array([slot]))
-        return bool(self._area_of_slot[slot] >= 0)
+        return bool(self._rows.area_of_slot[slot] >= 0)
 
     def _requests_left(self, req_ids: list[str], slots: np.ndarray) -> None:
         """Finished, aborted or preempted requests (``RequestSlots`` tells,
         in arrival order): their state is freed."""
-        for slot in slots[self._tracked[slots]].tolist():
+        for slot in slots[self._rows.tracked[slots]].tolist():
             self._forget(slot)
 
     def tracked_requests(self) -> dict[str, int]:
         """The requests tracked, by id, and their slots."""
-        tracked = self._tracked
+        tracked = self._rows.tracked
         return {req_id: slot for req_id, slot in self.requests.items() if tracked[slot]}
