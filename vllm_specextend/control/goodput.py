@@ -23,7 +23,8 @@ a request pauses (drafts nothing) in a step unless one of these says it drafts:
    ``pause_margin``.
 2. **Probes** (``plan_kernels.forced_rows``): a paused request drafts once
    when its back-off is up (``probe_interval`` paused plans, doubling after
-   each failed probe up to ``max_probe_backoff`` times) and its budget
+   each failed probe, to at most ``max_probe_backoff`` x ``probe_interval``)
+   and its budget
    (``probe_budget`` of the time it paused) covers a draft and its least
    catch-up.
 3. **Warm-up and exploration** (:meth:`GoodputController._explore`): the
@@ -33,10 +34,11 @@ a request pauses (drafts nothing) in a step unless one of these says it drafts:
    estimates joins only within its budget.
 
 The draft's forward then runs unless nobody drafts and the drafter can catch
-up later (``free_pause``); a step with prompt chunks runs it too unless a
-caught-up new request would not draft either (``draft_prefill``: where the
-drafter can ``defer_prompts``), or the prompts' draft prefill is within the
-prompt budget (``probe_budget`` of the steps nobody drafted in).
+up later (``free_pause``, :func:`decide_draft_forward`). A step with prompt
+chunks runs it anyway where the drafter cannot ``defer_prompts``, where a
+caught-up new request would draft beside this batch, or where the prompts'
+draft prefill fits the prompt budget (``probe_budget`` of the steps nobody
+drafted in): ``DraftPlan.draft_prefill``.
 
 On the host (numpy, and loops compiled with numba for the per-row
 arithmetic): the inputs are per-request lengths the host already knows, so a
