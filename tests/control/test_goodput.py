@@ -679,3 +679,22 @@ def test_the_warm_up_does_not_catch_up_a_prompt_the_draft_lacks():
     assert [h["in_sync"] for h in engine.history] == [K, K, 0, 0]  # the warm-up
     assert [h["deferred"] for h in engine.history] == [0, 0, 0, 0]
     assert engine.gap["deferred"] >= 600
+
+
+def test_the_warm_up_waits_for_a_row_it_can_draft():
+    # Every request's prompt skipped the draft: a warm-up plan that drafted
+    # nothing would time nothing, and draft steps never timed look free
+    # (a prompt would then go through the draft on that price, as in the
+    # issue's 8 x 4K rounds). The warm-up waits for a request in sync.
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True)
+    engine = SimulatedEngine(controller, {"deferred": 0.0})
+    engine.whole, engine.gap["deferred"] = {"deferred"}, 600
+    for _ in range(4):
+        engine.step()
+    assert [h["deferred"] for h in engine.history] == [0, 0, 0, 0]
+    engine.acceptance["in_sync"], engine.query["in_sync"] = 0.0, 1
+    engine.context["in_sync"] = engine.context["deferred"]
+    for _ in range(5):
+        engine.step()
+    assert [h["in_sync"] for h in engine.history[4:]] == [K, K, 0, 0, 0]
+    assert controller.cost.draft_steps_seen()[K]

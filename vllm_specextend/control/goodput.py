@@ -17,10 +17,8 @@ a request pauses (drafts nothing) in a step unless one of these says it drafts:
    iteration for each number of draft steps ``D``; a request keeps draft
    position ``i`` when the probability that it is accepted is worth more
    than the position's verification time at the batch's goodput, with
-   hysteresis (a drafting row keeps a position down to ``1 - hysteresis`` of
-   the threshold, a paused one resumes above ``1 + hysteresis``, its
-   catch-up priced), and a drafting plan must beat pausing everyone by
-   ``pause_margin``.
+   ``hysteresis`` (a paused row's catch-up priced), and a drafting plan
+   must beat pausing everyone by ``pause_margin``.
 2. **Probes** (``plan_kernels.forced_rows``): a paused request drafts once
    when its back-off is up (``probe_interval`` paused plans, doubling after
    each failed probe, to at most ``max_probe_backoff`` x ``probe_interval``)
@@ -90,7 +88,8 @@ __all__ = [
 WARM_UP = ("draft", "draft", "pause", "pause")
 """The engine's first plans with decoding rows: two drafting ``K`` (the second
 is timed even where the first follows a prefill; fewer draft steps are priced
-per step until timed), then two paused."""
+per step until timed; each waits for a row with no more to catch up than a
+probe), then two paused."""
 
 _NO_INTS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=bool)
@@ -163,7 +162,7 @@ class GoodputController:
         self._last_draft_forwards = 0
         self._last_catch_up_tokens = 0
         self._warm_up_plans = 0
-        """``WARM_UP`` plans made (plans with decoding rows count)."""
+        """``WARM_UP`` entries done (a drafting one once a row drafted in it)."""
         self._since_exploration = 0
         self._prompt_budget = 0.0
         """Seconds of draft prefill the engine may spend on prompts it would
@@ -181,8 +180,7 @@ class GoodputController:
         """The target's FULL decode graphs as vLLM settled them, once its
         runner knew the attention backends (it may turn FULL into
         FULL_DECODE_ONLY, or drop FULL graphs): call before the first step.
-        A change starts the step-cost model over, with or without its
-        ``piecewise_step`` feature."""
+        A change starts the step-cost model over (``piecewise_step``)."""
         if full_graph_query_len != self.full_graph_query_len:
             self.full_graph_query_len = full_graph_query_len
             self.cost = self._cost_model()
@@ -409,10 +407,14 @@ class GoodputController:
             return plan
         if self._warm_up_plans < len(WARM_UP):
             drafts = WARM_UP[self._warm_up_plans] == "draft"
-            self._warm_up_plans += 1
             # Unpriced: a row joins with no more to catch up than a probe
             # would (not a prompt the draft lacks, which it would catch up whole).
             rows = decoding & (least <= self.parameters.min_probe_catch_up) & drafts
+            if drafts and not rows.any():
+                # Waits for a row that can join: a warm-up that drafts
+                # nothing times nothing, and untimed draft steps look free.
+                return plan
+            self._warm_up_plans += 1
             steps = self.num_speculative_tokens if rows.any() else 0
             return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
         self._since_exploration += 1
