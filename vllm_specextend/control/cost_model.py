@@ -15,7 +15,7 @@ from numba.extending import intrinsic
 
 from vllm_specextend.common.compiled import compiled
 from vllm_specextend.common.kernel_args import floats
-from vllm_specextend.control.kernel_state import StepCosts
+from vllm_specextend.control.kernel_state import CostFit, FitSettings, StepCosts
 
 
 def cost_features(max_draft_steps: int, piecewise_step: bool = False) -> tuple[str, ...]:
@@ -109,15 +109,18 @@ def fixed_seconds(weights, max_draft_steps, base_tokens, max_k, free_pause, piec
 
 
 @compiled
-def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, piecewise_step):
-    """One step of the exponentially weighted ridge regression: ``gram``,
-    ``moment`` and ``seen`` updated in place (the sums numpy made: each
-    entry ``forgetting * old + new``), the new weights returned. The ridge
+def fit_step(fit, weights, features, seconds, settings):
+    """One step of the exponentially weighted ridge regression: ``fit``'s
+    sums (a ``CostFit``) updated in place (the sums numpy made: each entry
+    ``forgetting * old + new``), the new weights returned. The ridge
     scales with the data so it stays a tie-breaker; it pulls towards the
     current ``weights``: a cost the recent steps no longer show (a number of
     draft steps not run for hundreds of paused steps) keeps what was learnt,
     instead of decaying to free. The base and per-token costs are clipped at
-    zero, and with ``piecewise_step`` the last one."""
+    zero, and with ``piecewise_step`` the last one (``settings``: a
+    ``FitSettings``)."""
+    gram, moment, seen = fit.gram, fit.moment, fit.seen
+    forgetting, piecewise_step = settings.forgetting, settings.piecewise_step
     num = features.shape[0]
     trace = 0.0
     for i in range(num):
@@ -126,7 +129,7 @@ def fit_step(gram, moment, seen, weights, features, seconds, forgetting, ridge, 
         moment[i] = forgetting * moment[i] + features[i] * seconds
         seen[i] |= features[i] != 0
         trace += gram[i, i]
-    scaled = ridge * (1.0 if 1.0 > trace else trace)  # Python's max(trace, 1.0)
+    scaled = settings.ridge * (1.0 if 1.0 > trace else trace)  # Python's max(trace, 1.0)
     system = gram.copy()
     rhs = np.empty(num)
     for i in range(num):
@@ -239,10 +242,10 @@ class StepCostModel:
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         """Learn one step's cost (compiled, :func:`fit_step`)."""
-        self.weights = fit_step(self._gram, self._moment, self.seen, self.weights,
-                                np.ascontiguousarray(features, dtype=np.float64),
-                                float(seconds), float(self.forgetting), float(self.ridge),
-                                self.piecewise_step)
+        self.weights = fit_step(CostFit(self._gram, self._moment, self.seen), self.weights,
+                                np.ascontiguousarray(features, dtype=np.float64), float(seconds),
+                                FitSettings(float(self.forgetting), float(self.ridge),
+                                            bool(self.piecewise_step)))
         self.observations += 1
 
     def observe_step(self, features: np.ndarray, seconds: float, stall_factor: float,

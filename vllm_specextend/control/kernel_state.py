@@ -131,6 +131,25 @@ class StepCosts(NamedTuple):
     """A step with caught-up tokens was timed (their price is learnt)."""
 
 
+class CostFit(NamedTuple):
+    """The step-cost model's sums, updated in place by each fitted step."""
+
+    gram: np.ndarray
+    """float64 ``[features, features]``: the weighted sums of feature products."""
+    moment: np.ndarray
+    """float64 ``[features]``: the weighted sums of feature x seconds."""
+    seen: np.ndarray
+    """bool ``[features]``: features some observed step had."""
+
+
+class FitSettings(NamedTuple):
+    """How the step-cost model fits (``ControlParameters``)."""
+
+    forgetting: float
+    ridge: float
+    piecewise_step: bool
+
+
 class ChoiceSettings(NamedTuple):
     """How the K choice weighs plans (``ControlParameters``)."""
 
