@@ -86,8 +86,14 @@ class SpeculationControl:
         full_graph_query_len: int | None = None,
         requests: RequestSlots | None = None,
         parameters: ControlParameters = ControlParameters(),
+        *,
+        keeps_hidden_states: bool = False,
+        max_num_tokens: int = 0,
+        device: torch.device | None = None,
+        steps_in_flight: int = 2,
     ) -> None:
-        """Host-side control (a drafter's: :meth:`for_drafter`).
+        """Host-side control without ``device``; a drafter's
+        (:meth:`for_drafter`) also stages indices on its device.
 
         Args:
             free_pause: a step where nobody drafts skips the draft's forward.
@@ -105,6 +111,12 @@ class SpeculationControl:
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
             parameters: the controller's tuning.
+            keeps_hidden_states: the drafter is fed the target's hidden
+                states (an EAGLE head): a pause keeps those of the last
+                ``max_catch_up + K + 1`` positions for its catch-up.
+            max_num_tokens: the drafter's token budget a step.
+            device: where staged indices go (None: host-side only).
+            steps_in_flight: steps whose staged indices may still be read.
         """
         self.controller = GoodputController(
             max_num_reqs, num_speculative_tokens, free_pause, parameters=parameters,
@@ -121,14 +133,19 @@ class SpeculationControl:
         self._limits: tuple[list[str], np.ndarray] | None = None
         """The last plan's requests and catch-up limits (None: no limits)."""
         self.max_num_reqs = max_num_reqs
-        self.hidden_capacity = 0
+        self.max_num_tokens = max_num_tokens
+        self.device = device
+        self.hidden_capacity = (max_catch_up + num_speculative_tokens + 1
+                                if keeps_hidden_states else 0)
         """Positions of the target's hidden states kept per request (0: none)."""
         self.paused_hidden: PausedHiddenStates | None = None
         """An EAGLE head's recent inputs, for its catch-up (model load)."""
-        self._host_staging: IndexStager | None = None
+        # Host-built indices (kept hidden states, catch-up layout): eight
+        # lists a step, each at most a step's tokens.
+        self._host_staging = None if device is None else IndexStager(
+            max(max_num_tokens, max_num_reqs + 1), device,
+            depth=max(2, steps_in_flight), lists_per_step=8)
         """Pinned staging of host-built indices (a drafter's only)."""
-        self.max_num_tokens = 0
-        self.device = torch.device("cpu")
 
     @classmethod
     def for_drafter(
@@ -161,7 +178,7 @@ class SpeculationControl:
         # A request paused longer is caught up from its last positions
         # (older ones stay holes); its next probe comes sooner than that.
         max_catch_up = MAX_PROBE_BACKOFF * PROBE_INTERVAL if keeps_hidden_states else None
-        control = cls(
+        return cls(
             max_num_reqs, num_speculative_tokens,
             # A draft model catches up from token ids; a head also needs
             # the target's hidden states of the skipped tokens.
@@ -175,17 +192,11 @@ class SpeculationControl:
             defer_prompts=is_draft_model and not compact_positions,
             full_graph_query_len=full_graph_query_len,
             requests=requests,
+            keeps_hidden_states=keeps_hidden_states,
+            max_num_tokens=max_num_tokens,
+            device=device,
+            steps_in_flight=steps_in_flight,
         )
-        if keeps_hidden_states:
-            control.hidden_capacity = max_catch_up + num_speculative_tokens + 1
-        # Host-built indices (kept hidden states, catch-up layout): eight
-        # lists a step, each at most a step's tokens.
-        control.max_num_tokens = max_num_tokens
-        control.device = device
-        control._host_staging = IndexStager(
-            max(max_num_tokens, max_num_reqs + 1), device,
-            depth=max(2, steps_in_flight), lists_per_step=8)
-        return control
 
     def set_full_graph_query_len(self, full_graph_query_len: int | None) -> None:
         """The query length of every request in a decode step that replays the
