@@ -47,7 +47,7 @@ SHARED = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size
               max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
               hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000,
               eos_token_id=128001)
-GRAPHS = {"eager": "NONE", "full_decode_only": "FULL_DECODE_ONLY"}
+GRAPHS = {"eager": "NONE", "full_decode_only": "FULL_DECODE_ONLY", "full": "FULL"}
 
 
 def write_config(folder: Path, shape: dict) -> Path:

@@ -95,7 +95,8 @@ def record_run(out_dir: Path, *, mode: str, description: str, command: str, titl
         "and indexed in benchmarks/README.md)\n")
 
 
-CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "draft_model": "tab:blue",
+CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "target_v1": "silver",
+                 "draft_model": "tab:blue",
                  "cmr": "tab:red", "streaming": "tab:green", "draft_model_full": "tab:purple",
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
                  "goodput": "tab:cyan", "always_paused": "lightseagreen",

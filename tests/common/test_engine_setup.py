@@ -319,6 +319,36 @@ def test_goodput_control_refuses_what_it_cannot_serve(target_model, draft_model,
         engine_config(target_model, draft_model, spec_extend=goodput)
 
 
+def test_goodput_control_refuses_graphs_its_paused_steps_lack(target_model, draft_model):
+    """Checked at construction and again once the runner settled the mode
+    (``check_paused_steps_have_graphs``): the CPU platform runs no graphs, so
+    the modes a GPU engine may end with are set by hand."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_specextend.common.engine_checks import check_paused_steps_have_graphs
+    from vllm_specextend.common.engine_setup import resolve_setup
+
+    refused = []
+    for mode in CUDAGraphMode:
+        config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+        try:
+            check_paused_steps_have_graphs(config)
+        except SpecExtendConfigError:
+            refused.append(mode)
+    assert refused == [CUDAGraphMode.FULL_DECODE_ONLY]
+    goodput = {"speculation_control": "goodput"}
+    config = engine_config(target_model, draft_model, spec_extend=goodput)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(SpecExtendConfigError, match=r"cannot run with cudagraph_mode="
+                                                    r"FULL_DECODE_ONLY: a step where it pauses"):
+        resolve_setup(config)
+    stock = engine_config(target_model, draft_model, spec_extend={})
+    stock.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    assert resolve_setup(stock) is not None  # retrieval alone drafts K every step
+
+
 def test_acceptance_refresh_needs_the_synchronous_scheduler(target_model, draft_model):
     """Both schedulers on CPU, at the engine-options level (the CPU platform
     turns async scheduling off itself, so the async case is set by hand)."""
@@ -426,6 +456,24 @@ def test_options_a_setting_makes_meaningless_are_named(target_model, draft_model
     assert engine_setup.meaningless_options(
         {"mode": "off", "speculation_control": "goodput", "chunk_size": 64}, config) == {
         "chunk_size": "mode='off' retrieves nothing"}
+
+
+def test_goodput_control_on_a_gpu_says_it_does_not_hold_its_floor(target_model, draft_model,
+                                                                  monkeypatch):
+    """Measured on an H200 (benchmarks/results/gpu-goodput-floor): the
+    synchronous scheduler and the V1 runner goodput control needs cost more
+    than its floor allows; said at construction on CUDA, not on CPU."""
+    from vllm_specextend.common import engine_setup
+
+    warned = []
+    monkeypatch.setattr(engine_setup.logger, "warning_once",
+                        lambda message, *args: warned.append(message % args))
+    goodput = {"speculation_control": "goodput"}
+    config = engine_config(target_model, draft_model, spec_extend=goodput)
+    assert warned == []
+    config.device_config.device_type = "cuda"
+    engine_setup.resolve_setup(config)
+    assert len(warned) == 1 and "does not hold its floor on GPUs yet" in warned[0]
 
 
 def test_empty_options_turn_cmr_on_with_every_default(target_model, draft_model):

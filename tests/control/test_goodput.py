@@ -698,3 +698,49 @@ def test_the_warm_up_waits_for_a_row_it_can_draft():
         engine.step()
     assert [h["in_sync"] for h in engine.history[4:]] == [K, K, 0, 0, 0]
     assert controller.cost.draft_steps_seen()[K]
+
+
+def test_a_request_drafts_no_further_than_its_max_tokens():
+    # A request whose drafts are all accepted drafts K, until its max_tokens
+    # leaves less room: drafts count up to its last token at most, where
+    # the room assumes none of this step's drafts is accepted.
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True)
+    engine = SimulatedEngine(controller, {"r": 1.0})
+    for _ in range(12):
+        engine.step()
+    assert engine.history[-1]["r"] == K  # unlimited so far
+    slot = dict(controller.requests.items())["r"]
+    prompt = 1  # the simulated engine's
+    # The next plan: at least 2 more tokens (this query's and its sample),
+    # then room for 2 drafts before the last of max_tokens.
+    least_output = engine.context["r"] + 2 - prompt
+    controller.state.max_output_tokens[slot] = least_output + 3
+    assert engine.step().draft_lengths.tolist() == [2]
+    # Then all of them were accepted: no room, no draft, no draft forward.
+    plan = engine.step()
+    assert plan.draft_lengths.tolist() == [0] and plan.draft_steps == 0
+
+
+def test_no_probe_falls_on_a_paused_requests_last_step():
+    # A paused request verifies no drafts, so its last step is known
+    # exactly: a probe due then waits (its draft would never be verified).
+    def simulated():
+        controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K,
+                                       free_pause=True,
+                                       parameters=ControlParameters(probe_interval=8))
+        return controller, SimulatedEngine(controller, {"bad": 0.0})
+
+    controller, engine = simulated()
+    for _ in range(60):
+        engine.step()
+    probe_step = max(i for i, h in enumerate(engine.history) if i >= 10 and h["bad"])
+    controller, engine = simulated()  # again, up to that probe
+    for _ in range(probe_step):
+        engine.step()
+    slot = dict(controller.requests.items())["bad"]
+    prompt = 1  # the simulated engine's
+    controller.state.max_output_tokens[slot] = engine.context["bad"] + 2 - prompt
+    probes = controller.stats.probes
+    plan = engine.step()
+    assert plan.draft_lengths.tolist() == [0] and plan.draft_steps == 0
+    assert controller.stats.probes == probes

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.control.test_goodput import K, SimulatedEngine
+from vllm_specextend.common.options import SpecExtendConfigError
 from vllm_specextend.control.goodput import (
     ControlParameters,
     GoodputController,
@@ -85,6 +86,12 @@ def test_which_goodput_steps_reach_the_graphs_stock_vllm_replays():
     paused = dispatch(speculating, [1] * rows)
     alone = dispatch(target_alone, [1] * rows)
     assert paused[0] == "PIECEWISE" and alone[0] == "FULL" and alone[1].uniform
+    # FULL_DECODE_ONLY has no graph but the 1 + K one: a paused step runs
+    # eagerly (goodput control refuses the mode).
+    decode_only = dispatcher(K, "FULL_DECODE_ONLY")
+    assert dispatch(decode_only, [1 + K] * rows)[0] == "FULL"
+    assert dispatch(decode_only, [1] * rows)[0] == "NONE"
+    assert dispatch(dispatcher(0, "FULL_DECODE_ONLY"), [1] * rows)[0] == "FULL"
     # With cudagraph_mode FULL (one routine) every captured size is FULL.
     full_only = dispatcher(K, "FULL")
     assert {dispatch(full_only, q)[0] for q in ([1 + K] * rows, [1] * rows, [2, 4, 1])} == {"FULL"}
@@ -169,10 +176,12 @@ def test_the_controller_learns_what_leaving_the_graphs_costs(piecewise, bad_draf
 
 
 @pytest.mark.parametrize("built_with, backend_support, settled, query_len", [
-    # FULL for mixed batches needs ALWAYS: vLLM falls back to FULL decode graphs.
-    ("FULL", "UNIFORM_BATCH", "FULL_DECODE_ONLY", 1 + K),
+    # FULL for mixed batches needs ALWAYS: vLLM falls back to FULL decode
+    # graphs only, where a paused step has none: refused once settled.
+    ("FULL", "UNIFORM_BATCH", "FULL_DECODE_ONLY", "refused"),
     # A backend without FULL graphs for spec-decode batches: none at all.
     ("FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", "NONE", None),
+    ("FULL_AND_PIECEWISE", "UNIFORM_BATCH", "FULL_AND_PIECEWISE", 1 + K),
 ])
 def test_the_controller_reads_the_graph_mode_vllm_settled_on(
         target_model, draft_model, built_with, backend_support, settled, query_len):
@@ -212,6 +221,11 @@ def test_the_controller_reads_the_graph_mode_vllm_settled_on(
     compilation.resolve_cudagraph_mode_and_sizes(
         AttentionCGSupport[backend_support], "BACKEND", uniform_decode_query_len=1 + K)
     assert compilation.cudagraph_mode == CUDAGraphMode[settled]
+    if query_len == "refused":
+        with pytest.raises(SpecExtendConfigError, match="cannot run with cudagraph_mode="
+                                                        "FULL_DECODE_ONLY"):
+            proposer.initialize_attn_backend(kv_cache_config=None, kernel_block_sizes=[16])
+        return
     proposer.initialize_attn_backend(kv_cache_config=None, kernel_block_sizes=[16])
     controller = proposer.control.controller
     assert controller.full_graph_query_len == query_len

@@ -147,7 +147,9 @@ def runner_for(setup: EngineSetup):
         token_ids_cpu=np.arange(MAX_REQS * MAX_MODEL_LEN, dtype=np.int32).reshape(MAX_REQS, -1),
         block_table=[types.SimpleNamespace(get_numpy_array=lambda: block_table)],
     )
-    return types.SimpleNamespace(input_batch=input_batch, **{SETUP_ATTRIBUTE: setup})
+    # requests: each request's CachedRequestState (none here: no max_tokens).
+    return types.SimpleNamespace(input_batch=input_batch, requests={},
+                                 **{SETUP_ATTRIBUTE: setup})
 
 
 def set_up(method: str, draft_window: int) -> Proposer:

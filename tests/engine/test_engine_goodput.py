@@ -290,7 +290,14 @@ def test_goodput_control_with_retrieval_equals_target_alone(draft_window, target
             outputs = generate_greedy(llm, prompts, MAX_TOKENS)
             assert [list(o.outputs[0].token_ids) for o in outputs] == reference
         control = llm.collective_rpc(control_counts)[0]
+        limits = llm.collective_rpc(_output_limits)[0]
     assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0
+    # Each request's max_tokens reached the controller when it arrived.
+    assert limits.count(MAX_TOKENS) >= len(prompts)
+
+
+def _output_limits(worker) -> list[int]:
+    return worker.model_runner.drafter.control.controller.state.max_output_tokens.tolist()
 
 
 def _defer_prompts(worker, defer: bool) -> None:

@@ -56,7 +56,7 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32]  # up to MAX_NUM_SEQS * (K + 1) decode 
 MAX_TOKENS = 32
 WARM_UP_LENGTHS = [400, 2000]
 LENGTHS = [300, 1500, 3000, 700, 120]
-GRAPH_MODES = {"eager": "NONE", "full_decode_only": "FULL_DECODE_ONLY",
+GRAPH_MODES = {"eager": "NONE", "full_decode_only": "FULL_DECODE_ONLY", "full": "FULL",
                "full_and_piecewise": "FULL_AND_PIECEWISE"}
 
 CONFIGS = [
@@ -66,7 +66,10 @@ CONFIGS = [
     ("v1", "eager", "eagle3", None),
     ("v1", "eager", "mtp", None),
     ("v1", "full_decode_only", "draft_model", None),
-    ("v1", "full_decode_only", "draft_model", "goodput"),
+    # Goodput control refuses FULL_DECODE_ONLY (its paused steps would run
+    # eagerly: test_goodput_control_refuses_decode_only_graphs); under FULL
+    # they replay a graph of their own size.
+    ("v1", "full", "draft_model", "goodput"),
     ("v1", "full_decode_only", "eagle3", None),
     ("v1", "full_and_piecewise", "draft_model", None),
     ("mrv2", "eager", "draft_model", None),
@@ -309,3 +312,17 @@ def test_cmr_on_gpu(config, report):
         assert 0 < record["kept_tokens"] < record["context_tokens"], retrieval
         if reads is not None:
             assert reads["compacted_forwards"] > 0 and reads["stale_reads"] == 0, reads
+
+
+def test_goodput_control_refuses_decode_only_graphs():
+    """On a GPU vLLM keeps FULL_DECODE_ONLY, in which a step where goodput
+    control pauses every request (one token each) has no graph: refused when
+    the engine is built, before any model loads."""
+    from vllm_specextend.common.options import SpecExtendConfigError
+
+    target, base, draft = drafting("draft_model")
+    with model_runner("v1"), pytest.raises(SpecExtendConfigError,
+                                           match="cannot run with cudagraph_mode=FULL_DECODE_ONLY"):
+        with engine(target, draft, K, {**SMALL_CACHE, "speculation_control": "goodput"},
+                    **engine_overrides("full_decode_only")):
+            pass

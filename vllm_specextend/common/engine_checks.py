@@ -1,7 +1,8 @@
 """What SpecExtend refuses in an engine's vLLM config, each with the reason
 and the remedy: the checks :func:`~vllm_specextend.common.engine_setup.resolve_setup`
-runs at engine construction, and the one the drafter runs at model load
-(:func:`check_layers_write_kv_through_update`). Each reads vLLM's config and
+runs at engine construction, and those the drafter runs at model load
+(:func:`check_layers_write_kv_through_update`) and once vLLM has settled its
+CUDA graph mode (:func:`check_paused_steps_have_graphs`). Each reads vLLM's config and
 raises :class:`SpecExtendConfigError`; none changes anything."""
 
 from __future__ import annotations
@@ -27,6 +28,32 @@ def check_speculation_control(vllm_config: Any) -> None:
             "spec_extend's speculation_control='goodput' runs in vLLM's V1 model "
             "runner only so far, but this engine selected Model Runner V2. Unset "
             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+        )
+    check_paused_steps_have_graphs(vllm_config)
+
+
+def check_paused_steps_have_graphs(vllm_config: Any) -> None:
+    """A step where goodput control pauses verifies one token per request.
+    vLLM's V1 runner keeps FULL decode graphs for ``1 + K`` tokens per
+    request only, so under ``FULL_DECODE_ONLY`` (FULL decode graphs, none for
+    other batches) every paused step would run without CUDA graphs: on an
+    H200 an 8B-shaped target's paused step took ~48 ms against ~9.5-15 ms in
+    its graph (benchmarks/results/gpu-goodput-floor). Read at construction
+    and again once the runner has settled the mode for its attention
+    backends (it may turn FULL or FULL_AND_PIECEWISE into FULL_DECODE_ONLY)."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is None or not mode.separate_routine() or mode.decode_mode().name != "FULL":
+        return
+    if mode.mixed_mode().name == "NONE":
+        raise SpecExtendConfigError(
+            "spec_extend's speculation_control='goodput' cannot run with "
+            f"cudagraph_mode={mode.name}: a step where it pauses verifies one token "
+            "per request, and vLLM captures FULL decode graphs only for 1 + "
+            "num_speculative_tokens tokens per request, so every paused step would "
+            "run without CUDA graphs (3-5x slower than the target alone's step with "
+            "an 8B-shaped target on an H200). Use cudagraph_mode FULL (one graph for "
+            "any batch, where the attention backend supports it) or FULL_AND_PIECEWISE "
+            "(vLLM's default, with torch.compile), or leave speculation_control unset."
         )
 
 

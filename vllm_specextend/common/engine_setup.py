@@ -92,8 +92,9 @@ def resolve_setup(vllm_config: Any) -> EngineSetup | None:
     if vllm_config.use_v2_model_runner:
         logger.warning_once(
             "SpecExtend: Model Runner V2 selected; retrieval runs in its SpecExtend "
-            "speculators, which are unit-tested on CPU but have not been run on a "
-            "GPU yet. Unset VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
+            "speculators, which are unit-tested on CPU and have run on a GPU only "
+            "through stand-ins for vLLM's compiled ops (tests/gpu). Unset "
+            "VLLM_USE_V2_MODEL_RUNNER for the V1 runner."
         )
     return EngineSetup(
         config=config,
@@ -161,6 +162,13 @@ def _check_features(vllm_config: Any, config: SpecExtendConfig, method: str) -> 
     """Refuse goodput control or retrieval options the engine cannot run."""
     if config.controls_speculation:
         engine_checks.check_speculation_control(vllm_config)
+        if vllm_config.device_config.device_type == "cuda":
+            logger.warning_once(
+                "SpecExtend: speculation_control='goodput' runs vLLM's V1 model runner "
+                "with the synchronous scheduler; on an H200 these alone decoded at "
+                "0.82-0.89x vLLM's defaults (Model Runner V2, async scheduling) with an "
+                "8B-shaped target, so goodput control does not hold its floor on GPUs "
+                "yet (benchmarks/results/gpu-goodput-floor).")
     if config.retrieves and config.retrieval_refresh == "acceptance":
         engine_checks.check_acceptance_refresh(vllm_config)
     if config.retrieves and vllm_config.use_v2_model_runner:

@@ -40,6 +40,9 @@ class RequestState(NamedTuple):
     """int64: decode steps the request drafted in (its metrics)."""
     paused_decode_steps: np.ndarray
     """int64: decode steps it did not draft in."""
+    max_output_tokens: np.ndarray
+    """int64: the most tokens the request may generate (its ``max_tokens``;
+    ``UNLIMITED`` where not told): no draft is planned past them."""
 
     @classmethod
     def new(cls, max_num_reqs: int) -> RequestState:
@@ -47,7 +50,8 @@ class RequestState(NamedTuple):
         flags = lambda: np.zeros(max_num_reqs, dtype=bool)  # noqa: E731
         return cls(context_len=ints(-1), verified_drafts=ints(0), drafted=ints(-1),
                    probed=flags(), verified_probe=flags(), paused_steps=ints(0),
-                   probe_after=ints(0), drafted_steps=ints(0), paused_decode_steps=ints(0))
+                   probe_after=ints(0), drafted_steps=ints(0), paused_decode_steps=ints(0),
+                   max_output_tokens=ints(np.iinfo(np.int64).max))
 
 
 class RowScratch(NamedTuple):
@@ -57,7 +61,11 @@ class RowScratch(NamedTuple):
     verifying: np.ndarray
     """bool: the row's query verifies drafts (its prompt was in before)."""
     decoding: np.ndarray
-    """bool: the row decodes after this step."""
+    """bool: the row decodes after this step, with room for a draft before
+    its ``max_output_tokens``."""
+    draft_caps: np.ndarray
+    """int64: the most drafts that can count in its next verification
+    (``max_output_tokens``; 0 where it does not decode)."""
     drafting: np.ndarray
     """bool: the row drafted at the previous plan."""
     probing: np.ndarray
@@ -79,9 +87,9 @@ class RowScratch(NamedTuple):
         flags = lambda: np.zeros(max_num_reqs, dtype=bool)  # noqa: E731
         ints = lambda: np.zeros(max_num_reqs, dtype=np.int64)  # noqa: E731
         floats = lambda: np.zeros(max_num_reqs)  # noqa: E731
-        return cls(verifying=flags(), decoding=flags(), drafting=flags(), probing=flags(),
-                   least_catch_up=ints(), paused=ints(), probe_after=ints(), budget=floats(),
-                   resume=floats())
+        return cls(verifying=flags(), decoding=flags(), draft_caps=ints(), drafting=flags(),
+                   probing=flags(), least_catch_up=ints(), paused=ints(), probe_after=ints(),
+                   budget=floats(), resume=floats())
 
 
 class StepRows(NamedTuple):

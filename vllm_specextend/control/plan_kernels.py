@@ -36,29 +36,41 @@ def step_rows(step, graph_query_len, requests, estimates, scratch):
     whether it drafted at the previous plan. The acceptance ``estimates``
     learn from the drafts verified (per slot in ``requests``: see
     :func:`~vllm_specextend.control.acceptance.observe_verified`), then give
-    each row's survival into their scratch (0 for rows not decoding).
-    Returns the step's tokens, those of rows not decoding, whether a row has
-    prompt tokens in this step, and whether every query is
+    each row's survival into their scratch (0 for rows not decoding, and
+    past the drafts that can count before its ``max_output_tokens``: a
+    request that ends at its next verification drafts nothing).
+    Returns the step's tokens, those of rows not in their decode phase,
+    whether a row has prompt tokens in this step, and whether every query is
     ``graph_query_len`` long."""
     slots = step.slots
     rows = slots.shape[0]
     verifying, decoding, drafting = scratch.verifying, scratch.decoding, scratch.drafting
+    caps = scratch.draft_caps
+    max_drafts = estimates.survival.shape[1]
     tokens, other, prefilling, uniform = 0, 0, False, True
     for row in range(rows):
-        context, query = step.context_lens[row], step.query_lens[row]
-        verifying[row] = context >= step.prompt_lens[row]
-        decoding[row] = context + query >= step.prompt_lens[row]
+        context, query, prompt = step.context_lens[row], step.query_lens[row], step.prompt_lens[row]
+        verifying[row] = context >= prompt
+        decodes = context + query >= prompt
+        caps[row] = 0
+        if decodes:
+            # The request's fewest tokens after this step (none of its
+            # drafts accepted). The next step verifies drafts + 1 tokens, so
+            # drafts beyond its room before max_tokens, less one, never count.
+            least_length = context + 2 if verifying[row] else context + query + 1
+            room = requests.max_output_tokens[slots[row]] - (least_length - prompt) - 1
+            caps[row] = max(0, min(max_drafts, room))
+        decoding[row] = caps[row] > 0
         drafting[row] = requests.drafted[slots[row]] > 0
         tokens += query
-        other += 0 if decoding[row] else query
+        other += 0 if decodes else query
         prefilling |= not verifying[row]
         uniform &= query == graph_query_len
     observe_verified(estimates, step, verifying[:rows], requests)
     survival = estimates.survival
     survival_rows(estimates.rates, slots, survival)
     for row in range(rows):
-        if not decoding[row]:
-            survival[row, :] = 0.0
+        survival[row, caps[row]:] = 0.0
     return tokens, other, prefilling, uniform
 
 
@@ -272,6 +284,7 @@ def start_requests(new, arrival_probe_after, requests, estimates):
         requests.probed[slot], requests.verified_probe[slot] = False, False
         requests.paused_steps[slot], requests.probe_after[slot] = 0, arrival_probe_after
         requests.drafted_steps[slot], requests.paused_decode_steps[slot] = 0, 0
+        requests.max_output_tokens[slot] = UNLIMITED
         estimates.rates[slot, :] = estimates.engine_rates
 
 

@@ -57,7 +57,12 @@ from vllm_specextend.control.draft_lengths import (
     PlannedDraftLengths,
 )
 from vllm_specextend.control.frontiers import DraftKvFrontiers
-from vllm_specextend.control.goodput import DraftPlan, GoodputController, StepOutcome
+from vllm_specextend.control.goodput import (
+    UNLIMITED,
+    DraftPlan,
+    GoodputController,
+    StepOutcome,
+)
 from vllm_specextend.control.parameters import (
     MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
@@ -204,6 +209,14 @@ class SpeculationControl:
         settled its graph mode: its runner may change it when it sets up the
         attention backends, after the drafter is built."""
         self.controller.set_full_graph_query_len(full_graph_query_len)
+
+    def limit_outputs(self, slots: np.ndarray, max_tokens: list[int | None]) -> None:
+        """The most tokens each request in ``slots`` may generate (its
+        sampling ``max_tokens``; None: no limit), told when it arrives: a
+        request never drafts past them, so its last step drafts nothing (no
+        draft forward where every request ends) and no probe falls on it."""
+        self.controller.state.max_output_tokens[slots] = [
+            UNLIMITED if limit is None else limit for limit in max_tokens]
 
     def allocate_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """At model load, for a drafter fed the target's hidden states (an

@@ -35,6 +35,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from vllm_specextend.common.engine_checks import check_paused_steps_have_graphs
 from vllm_specextend.common.engine_setup import (
     SETUP_ATTRIBUTE,
     full_decode_graph_query_len,
@@ -85,6 +86,9 @@ class V1Overrides(DrafterFeatures):
                 device=device,
                 requests=self.requests,
             )
+            control = self.control  # also while the benchmarks rest it (drafter.control None)
+            self.requests.subscribe(arrived=lambda req_ids, slots: control.limit_outputs(
+                slots, self._max_tokens(req_ids)))
         self._draft_view: DraftView | None = None
         # Per flat draft token: compact position = original - shift.
         self._position_shift = torch.zeros(
@@ -103,6 +107,13 @@ class V1Overrides(DrafterFeatures):
             )
         if self.control is not None and self.control.hidden_capacity:
             self.control.allocate_paused_hidden_states(self._target_hidden_width(), self.dtype)
+
+    def _max_tokens(self, req_ids: list[str]) -> list[int | None]:
+        """Arriving requests' ``max_tokens``, for goodput control (the runner
+        holds each one's sampling parameters from the step it arrives in)."""
+        states = self.runner.requests
+        params = [getattr(states.get(req_id), "sampling_params", None) for req_id in req_ids]
+        return [getattr(p, "max_tokens", None) for p in params]
 
     def _target_hidden_width(self) -> int:
         """Width of the target hidden states ``propose`` receives: EAGLE-3's
@@ -126,6 +137,7 @@ class V1Overrides(DrafterFeatures):
             # vLLM has just settled its graph mode for the attention backends
             # (GPUModelRunner.initialize_attn_backend, before this call): it
             # may differ from the engine config's when the drafter was built.
+            check_paused_steps_have_graphs(self.vllm_config)
             self.control.set_full_graph_query_len(
                 full_decode_graph_query_len(self.vllm_config))
 
