@@ -42,9 +42,7 @@ def check_paused_steps_have_graphs(vllm_config: Any) -> None:
     and again once the runner has settled the mode for its attention
     backends (it may turn FULL or FULL_AND_PIECEWISE into FULL_DECODE_ONLY)."""
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is None or not mode.separate_routine() or mode.decode_mode().name != "FULL":
-        return
-    if mode.mixed_mode().name == "NONE":
+    if mode is not None and mode.decode_mode().name == "FULL" and mode.mixed_mode().name == "NONE":
         raise SpecExtendConfigError(
             "spec_extend's speculation_control='goodput' cannot run with "
             f"cudagraph_mode={mode.name}: a step where it pauses verifies one token "
