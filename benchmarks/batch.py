@@ -341,6 +341,8 @@ def run_batch(args) -> dict[str, Any]:
         engines.append(("cmr", switched))
     if "cmr_k_by_batch" in configs:
         engines.append(("cmr_k_by_batch", ["cmr_k_by_batch"]))
+    # One engine after another (no --rounds): in the order of --configs.
+    engines.sort(key=lambda engine: min(configs.index(c) for c in engine[1]))
     total = len(configs) * len(args.lengths) * len(args.batch_sizes)
     opened = [(engine_config, engine_configs,
                engine_spec_extend(args, engine_config, engine_configs), args)
@@ -360,9 +362,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
     lines = [
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
-        "verify s/step | retrieval s/step | kept % | paused % | vs always paused | "
-        "same as target | rounds tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "verify s/step | retrieval s/step | kept % | paused % | forced ms/step | "
+        "vs always paused | same as target | rounds tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -380,7 +382,7 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
             f"{fmt(m.retrieval_s_per_step, '.4f')} | "
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
-            f"{fmt(paused_percent(m.control), '.0f')} | "
+            f"{fmt(paused_percent(m.control), '.0f')} | {fmt(forced_ms_per_step(m), '.1f')} | "
             f"{fmt(m.paired_vs_always_paused)}{'x' if m.paired_vs_always_paused else ''} | "
             f"{same} | {rounds_cell(m)} |"
         )
@@ -404,6 +406,14 @@ def vs_target(m: BatchMeasurement, target: BatchMeasurement | None) -> float | N
 def rounds_cell(m: BatchMeasurement) -> str:
     """Interleaved rounds' tok/s (``--rounds``), or empty."""
     return " / ".join(f"{x:.2f}" for x in m.round_tok_s) if m.round_tok_s else "-"
+
+
+def forced_ms_per_step(m: BatchMeasurement) -> float | None:
+    """Goodput control: what steps with only forced drafts (probes,
+    explorations) took beyond their predicted paused step, in ms per decode
+    step of the run (what the probe budget was charged)."""
+    seconds = (m.control or {}).get("forced_draft_seconds")
+    return None if seconds is None or not m.decode_steps else 1e3 * seconds / m.decode_steps
 
 
 def paused_percent(control: dict | None) -> float | None:

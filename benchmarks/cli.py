@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "cmr_k_by_batch (vLLM's K-by-batch-size schedule); single "
                               "requests also draft_model_full, ngram; --eagle3: target, "
                               "eagle3_full, eagle3_sliding, cmr, streaming, goodput (all by "
-                              "default)")
+                              "default); batches without --rounds open their engines in "
+                              "this order")
     configs.add_argument("--k", type=int, default=None,
                          help="num_speculative_tokens (default 4; --eagle3: the head's "
                               "training-time test depth)")

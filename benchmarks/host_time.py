@@ -282,7 +282,7 @@ def measure(args) -> dict:
 
 GOODPUT_FUNCTIONS = {
     "kv_frontiers": ("advance", "end_step"),
-    "controller": ("_observe_cost", "_explore", "_settle", "_noted", "_decide_forward"),
+    "controller": ("_explore", "_settle", "_noted", "_decide_forward"),
 }
 
 

@@ -95,7 +95,7 @@ def control_counts(worker) -> dict | None:
     if control is None:
         return None
     return {key: value for key, value in control.metrics_snapshot().items()
-            if isinstance(value, (int, list))}
+            if isinstance(value, (int, float, list))}
 
 
 class PausedController:

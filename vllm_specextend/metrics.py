@@ -37,6 +37,8 @@ _CONTROL_COUNTERS = {
     "drafted_request_steps": "Goodput control: request-steps with at least one draft.",
     "paused_request_steps": "Goodput control: request-steps without drafts (paused).",
     "probes": "Goodput control: drafts planned to re-measure a paused request.",
+    "forced_draft_seconds": "Goodput control: seconds that steps with only forced drafts "
+                            "(probes, explorations) took beyond the step without drafts.",
     "explorations": "Goodput control: steps planned against its choice (every request "
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "

@@ -24,7 +24,8 @@ a request pauses (drafts nothing) in a step unless one of these says it drafts:
    each failed probe, to at most ``max_probe_backoff`` x ``probe_interval``)
    and its budget
    (``probe_budget`` of the time it paused) covers a draft and its least
-   catch-up.
+   catch-up at their predicted price; the engine pays what they measured
+   (:class:`ForcedDraftAccount`): while it is in debt no row drafts by force.
 3. **Warm-up and exploration** (:meth:`GoodputController._explore`): the
    engine's first plans with decoding rows (``WARM_UP``), then every
    ``explore_interval`` plans one that departs from the choice, so the cost
@@ -54,6 +55,7 @@ from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
+from vllm_specextend.control.forced_account import ForcedDraftAccount
 from vllm_specextend.control.kernel_state import (
     ChoiceSettings,
     PlanSettings,
@@ -153,6 +155,8 @@ class GoodputController:
             float(p.probe_budget), int(p.min_probe_catch_up), int(p.probe_interval),
             int(p.max_probe_backoff),
             ChoiceSettings(float(p.hysteresis), float(p.pause_margin), bool(free_pause)))
+        self.forced_account = ForcedDraftAccount(p.probe_budget,
+                                                 p.max_probe_backoff * p.probe_interval)
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would
@@ -252,19 +256,26 @@ class GoodputController:
         # Rows still prefilling after this step get no drafts (vLLM drops them).
         tokens, other_tokens, prefilling, uniform = step_rows(
             step, -1 if graph is None else graph, self.state, estimates, scratch)
-        if not (prefilling or self._last_prefilling):
+        decode_step = not (prefilling or self._last_prefilling) and self._last_time is not None
+        if decode_step:
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
-            self._observe_cost(tokens, now, graph is not None and not uniform)
+            self.cost.observe_step(
+                self.cost.features(tokens, self._last_draft_forwards,
+                                   self._last_catch_up_tokens, graph is not None and not uniform),
+                now - self._last_time, p.stall_factor, p.slow_step_clip)
+        self.forced_account.measured(now - self._last_time if decode_step else None)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
         exploring = self._exploration_due()
         survival = estimates.survival[:num_requests]
         lengths, steps, goodput, paused_step, some_decode, limits, counts = plan_rows(
-            step, self.state, scratch, estimates, self._costs(), self._settings,
+            step, self.state, scratch, estimates, self._costs(),
+            self.forced_account.settings(self._settings),
             PlanShape(other_tokens, -1 if graph is None else graph - 1, not exploring),
             self.stats.chosen_lengths)
         plan = DraftPlan(lengths, steps, goodput)
+        warm_up_plans = self._warm_up_plans
         if exploring:
             plan = self._explore(plan, scratch.decoding[:num_requests],
                                  scratch.budget[:num_requests],
@@ -281,6 +292,9 @@ class GoodputController:
                     survival, drafting, resume, ~verifying, step.query_lens, num_requests)
         if exploring:
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
+        self.forced_account.planned(paused_step, counts[4], plan.draft_lengths, lengths,
+                                    scratch.probing[:num_requests],
+                                    warm_up_plans != self._warm_up_plans)
         return self._noted(plan, limits, counts)
 
     def _decide_forward(self, plan: DraftPlan, verifying: np.ndarray,
@@ -344,15 +358,6 @@ class GoodputController:
 
     # ---- internals -------------------------------------------------------
 
-    def _observe_cost(self, verified: int, now: float, piecewise: bool = False) -> None:
-        """Learn the step just verified: the seconds since the last plan."""
-        if self._last_time is not None:
-            self.cost.observe_step(
-                self.cost.features(verified, self._last_draft_forwards,
-                                   self._last_catch_up_tokens, piecewise),
-                now - self._last_time, self.parameters.stall_factor,
-                self.parameters.slow_step_clip)
-
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:
         """Whether this step's prompt chunks go through the draft when nobody
@@ -383,15 +388,6 @@ class GoodputController:
             resume_seconds=None if resume is None else np.where(prompting, 0.0, resume),
             draft_steps=seen if seen[1:].any() else None)
         return bool(plan.draft_lengths[prompting].any())
-
-    def _affordable(self, budgets: np.ndarray, draft_steps: int, drafting: np.ndarray,
-                    decoding: np.ndarray, least: np.ndarray) -> np.ndarray:
-        """``[rows]``: the ``decoding`` rows not ``drafting`` anyway whose
-        budgets cover ``draft_steps`` forced drafts, the least catch-up
-        (``least`` tokens) and their share of the draft forwards (split with
-        the rows that join and those drafting: ``plan_kernels.share_forwards``)."""
-        return affordable(budgets, least, floats(self.cost.weights), draft_steps,
-                          flags(drafting), flags(decoding), self.cost.forced_catch_up_seconds())
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  least: np.ndarray) -> DraftPlan:
@@ -425,8 +421,11 @@ class GoodputController:
         else:
             steps = 1 + (self.stats.explorations // 2) % self.num_speculative_tokens
             drafting = plan.draft_lengths > 0
-            rows = decoding & (
-                drafting | self._affordable(budgets, steps, drafting, decoding, least))
+            # Rows not drafting anyway join where their budgets cover it
+            # (their share of the forward split with those that join).
+            rows = decoding & (drafting | affordable(
+                budgets, least, floats(self.cost.weights), steps, flags(drafting),
+                flags(decoding), self.cost.forced_catch_up_seconds()))
             if not rows.any():
                 return plan  # until a budget covers it
             plan = DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)

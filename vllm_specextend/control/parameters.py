@@ -27,8 +27,9 @@ class ControlParameters:
     """Share of a paused request's time (its share of the steps it paused
     in) that its next probe may cost: so probes and explorations cost at most
     about 2% of the engine's time, whatever a catch-up costs on this
-    machine. Prompts nobody would draft for get the same share of the steps
-    nobody drafts in."""
+    machine (at their predicted price per request; at what their steps
+    measured engine-wide: ``ForcedDraftAccount``). Prompts nobody would draft
+    for get the same share of the steps nobody drafts in."""
     min_probe_catch_up: int = 8
     """Recent tokens a probe catches up at least (a probe waits until its
     budget covers them)."""

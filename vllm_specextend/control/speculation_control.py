@@ -351,6 +351,7 @@ class SpeculationControl:
             "drafted_request_steps": stats.drafted_request_steps,
             "paused_request_steps": stats.paused_request_steps,
             "probes": stats.probes,
+            "forced_draft_seconds": self.controller.forced_account.excess_seconds,
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": stats.catch_up_tokens,

@@ -1,0 +1,68 @@
+"""The forced-draft account: forced drafts paid at what their steps measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_specextend.control.forced_account import ForcedDraftAccount
+from vllm_specextend.control.kernel_state import ChoiceSettings, PlanSettings
+
+SETTINGS = PlanSettings(0.02, 8, 16, 8, ChoiceSettings(0.1, 0.1, True))
+PAUSED_STEP = 0.5
+NONE = np.zeros(4, np.int64)
+NOT_PROBING = np.zeros(4, bool)
+
+
+def paused_plans(account: ForcedDraftAccount, plans: int) -> None:
+    for _ in range(plans):
+        account.planned(PAUSED_STEP, 4, NONE, NONE, NOT_PROBING, warm_up=False)
+        account.measured(PAUSED_STEP)
+
+
+def probe(account: ForcedDraftAccount, seconds: float, *, chosen=NONE, warm_up=False) -> None:
+    """Row 0 probes one draft (the other rows pause); its step takes ``seconds``."""
+    lengths = np.array([1, 0, 0, 0])
+    account.planned(PAUSED_STEP, 3, lengths, np.maximum(chosen, lengths),
+                    np.array([chosen[0] == 0, False, False, False]), warm_up=warm_up)
+    account.measured(seconds)
+
+
+def test_a_probe_is_charged_what_its_step_measured_beyond_a_paused_one():
+    account = ForcedDraftAccount(0.02, 128)
+    paused_plans(account, 16)
+    # 16 paused plans of 4 rows accrue 2% of 16 steps of 0.5 s.
+    assert account.balance == pytest.approx(0.16)
+    probe(account, PAUSED_STEP + 0.9)
+    assert account.balance == pytest.approx(0.16 + 0.02 * 0.5 * 3 / 4 - 0.9)
+    assert account.excess_seconds == pytest.approx(0.9)
+    assert account.settings(SETTINGS).probe_budget == 0.0  # no forced drafts while in debt
+    paused_plans(account, 100)
+    assert account.settings(SETTINGS) is SETTINGS
+
+
+@pytest.mark.parametrize("kind", ["on estimates", "warm-up"])
+def test_drafts_not_all_forced_are_not_charged(kind):
+    # A row drafting on its estimates shares the step (its cost is the
+    # cost model's to learn); the warm-up is unpriced.
+    account = ForcedDraftAccount(0.02, 128)
+    if kind == "on estimates":
+        probe(account, 2.0, chosen=np.array([2, 0, 0, 0]))
+    else:
+        probe(account, 2.0, warm_up=True)
+    assert account.excess_seconds == 0.0 and not account.in_debt
+
+
+def test_a_step_that_is_not_a_decode_step_is_not_charged():
+    account = ForcedDraftAccount(0.02, 128)
+    account.planned(PAUSED_STEP, 3, np.array([1, 0, 0, 0]), np.array([1, 0, 0, 0]),
+                    np.array([True, False, False, False]), warm_up=False)
+    account.measured(None)  # a prefill came next
+    account.measured(5.0)  # nothing pending any more
+    assert account.excess_seconds == 0.0
+
+
+def test_a_long_pause_buys_no_burst_of_probes():
+    account = ForcedDraftAccount(0.02, most_paused_plans=128)
+    paused_plans(account, 10_000)
+    assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)

@@ -1,0 +1,73 @@
+"""What forced drafts (probes, explorations) have cost, measured: the
+engine-wide account that keeps them within ``probe_budget`` on any machine.
+
+A row's budget (``plan_kernels.forced_rows``) admits a probe by its price,
+which the step-cost model predicts. A probe's step can cost far more than
+that: its draft forward runs at a token count the engine has not run lately
+(oneDNN creates a GEMM primitive per new row count on CPU, ~0.5-1 ms a
+linear layer on an AMX Xeon; more where the JIT is slower), and a step far
+above its prediction is dropped by the cost model as a stall, so the price
+never learns it. The account pays each step whose drafts were all forced at
+what the clock measured beyond the predicted step without drafts; while it
+is in debt, no row drafts by force.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_specextend.control.kernel_state import PlanSettings
+
+
+class ForcedDraftAccount:
+    """Seconds forced drafts may still cost: credited ``probe_budget`` of
+    each paused decode row's predicted step, debited what steps with only
+    forced drafts measured beyond their predicted step without drafts."""
+
+    def __init__(self, probe_budget: float, most_paused_plans: int) -> None:
+        """``most_paused_plans``: the credit is held to what one request may
+        accrue before its slowest probe (``max_probe_backoff`` x
+        ``probe_interval`` plans), so a long pause buys no burst."""
+        self.probe_budget = probe_budget
+        self.most_paused_plans = most_paused_plans
+        self.balance = 0.0
+        self.excess_seconds = 0.0
+        """What steps with only forced drafts took beyond their predicted
+        step without drafts, summed (each at least 0): the metric."""
+        self._pending: float | None = None
+
+    @property
+    def in_debt(self) -> bool:
+        return self.balance < 0.0
+
+    def settings(self, settings: PlanSettings) -> PlanSettings:
+        """A plan's ``settings``: no probe budget while the account is in debt."""
+        return settings._replace(probe_budget=0.0) if self.in_debt else settings
+
+    def planned(self, paused_step: float, paused_rows: int, draft_lengths: np.ndarray,
+                chosen: np.ndarray, probing: np.ndarray, warm_up: bool) -> None:
+        """A plan decided (``paused_step``: its step predicted without
+        drafts; ``chosen``: the drafts on estimates and probes before any
+        exploration): its paused decode rows are credited, and a plan whose
+        drafts are all forced (probes, or an exploration's rows not drafting
+        on estimates; not the unpriced warm-up) is measured at the next step
+        (:meth:`measured`)."""
+        rows = draft_lengths.shape[0]
+        if rows:
+            credit = self.probe_budget * paused_step / rows
+            self.balance = min(self.balance + credit * paused_rows,
+                               credit * rows * self.most_paused_plans)
+        drafts = draft_lengths > 0
+        forced_only = drafts.any() and not warm_up and not (drafts & (chosen > 0) & ~probing).any()
+        self._pending = paused_step if forced_only else None
+
+    def measured(self, seconds: float | None) -> None:
+        """The step after the last plan took ``seconds`` (None: not a decode
+        step, not measured). All of it is charged, a host's hiccup too: an
+        account charged less than a probe cost would let probes cost more
+        than their budget, one charged more only makes them wait."""
+        predicted, self._pending = self._pending, None
+        if predicted is None or seconds is None:
+            return
+        self.balance -= seconds - predicted
+        self.excess_seconds += max(seconds - predicted, 0.0)
