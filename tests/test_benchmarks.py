@@ -411,3 +411,15 @@ def test_the_gpu_floor_report_merges_runs_and_compares_with_both_targets(tmp_pat
     assert "| 8x4096 | always_paused | 22.0 | 21.0 | 0.208x | 0.236x | 0 / 0 |" in table
     assert (tmp_path / "results.png").read_bytes()[:4] == PNG_MAGIC
     assert len(json.loads((tmp_path / "results.json").read_text())) == 3
+
+
+def test_onednn_shapes_times_a_first_and_a_repeated_forward_per_row_count(tmp_path):
+    from benchmarks import onednn_shapes
+
+    tiny = onednn_shapes.LinearShapes("tiny", "target", 2, 64, 128, 4, 2, 16)
+    costs = onednn_shapes.measure(tiny, "float32")
+    assert [c.rows for c in costs] == list(onednn_shapes.ROW_COUNTS)
+    assert all(c.first_ms > 0 and c.repeat_ms > 0 for c in costs)
+    table = onednn_shapes.write(costs, tmp_path)
+    assert table.count("| tiny | float32 |") == len(onednn_shapes.ROW_COUNTS)
+    assert (tmp_path / "results.png").read_bytes().startswith(PNG_MAGIC)
