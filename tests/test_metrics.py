@@ -131,8 +131,9 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     assert ('vllm:spec_extend_control_request_paused_fraction_count{model_name="tiny"} 1.0'
             in text)
     assert 'vllm:spec_extend_control_chosen_draft_length_total{draft_length="2",' in text
-    # Warm-up plans are not explorations.
+    # Warm-up plans are not explorations, nor charged as forced drafts.
     assert 'vllm:spec_extend_control_explorations_total{model_name="tiny"} 0.0' in text
+    assert 'vllm:spec_extend_control_forced_draft_seconds_total{model_name="tiny"} 0.0' in text
 
 
 def test_leaving_requests_are_folded_into_the_histograms_in_batches():

@@ -4,10 +4,10 @@ engine-wide account that keeps them within ``probe_budget`` on any machine.
 A row's budget (``plan_kernels.forced_rows``) admits a probe by its price,
 which the step-cost model predicts. A probe's step can cost far more than
 that: its draft forward runs at a token count the engine has not run lately
-(oneDNN creates a GEMM primitive per new row count on CPU, ~0.5-1 ms a
-linear layer on an AMX Xeon; more where the JIT is slower), and a step far
-above its prediction is dropped by the cost model as a stall, so the price
-never learns it. The account pays each step whose drafts were all forced at
+(vLLM's CPU GEMMs create a oneDNN primitive per new row count: 2-54 ms more
+for a forward of the real models on an AMX Xeon, ``benchmarks/onednn_shapes.py``;
+more where the JIT is slower), and a step far above its prediction is
+dropped by the cost model as a stall, so the price never learns it. The account pays each step whose drafts were all forced at
 what the clock measured beyond the predicted step without drafts; while it
 is in debt, no row drafts by force.
 """
