@@ -389,8 +389,13 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
     return "\n".join(lines)
 
 
+GAUGES = ("warm_up_pending",)
+"""Goodput control's figures a run reports as they stand at its end."""
+
+
 def _count_deltas(after: dict, before: dict) -> dict:
-    return {key: ([a - b for a, b in zip(value, before[key])] if isinstance(value, list)
+    return {key: (value if key in GAUGES
+                  else [a - b for a, b in zip(value, before[key])] if isinstance(value, list)
                   else value - before[key])
             for key, value in after.items()}
 
@@ -410,7 +415,7 @@ def rounds_cell(m: BatchMeasurement) -> str:
 
 def forced_ms_per_step(m: BatchMeasurement) -> float | None:
     """Goodput control: what steps with only forced drafts (probes,
-    explorations) took beyond their predicted paused step, in ms per decode
+    explorations, a priced warm-up) took beyond their predicted paused step, in ms per decode
     step of the run (what the probe budget was charged)."""
     seconds = (m.control or {}).get("forced_draft_seconds")
     return None if seconds is None or not m.decode_steps else 1e3 * seconds / m.decode_steps

@@ -23,6 +23,9 @@ BATCH_SIZES = (1, 3)
 CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
            "always_paused", "cmr_k_by_batch")
 MAX_TOKENS = 32
+# Goodput control's warm-up at the first decode steps: priced, it would wait
+# longer than these runs for a draft the target's size (the noisy copy).
+IMMEDIATE_WARM_UP = '{"goodput_warm_up": "immediate"}'
 PNG_MAGIC = b"\x89PNG"
 # Mean acceptance length floors of the grid's drafting rows by configuration
 # and context (measured at batch 1 / 3: 3.44 for all at 1K (under cmr's gate);
@@ -45,7 +48,7 @@ def batch_results(target_model, draft_model, tmp_path_factory):
     run_module("benchmarks", "--target", str(target_model), "--draft", str(draft_model),
                "--batch-sizes", *map(str, BATCH_SIZES), "--lengths", *map(str, LENGTHS),
                "--configs", *CONFIGS, "--max-tokens", str(MAX_TOKENS), "--dtype", "float32",
-               "--kv-cache-gib", "1", "--out", str(out))
+               "--kv-cache-gib", "1", "--spec-extend", IMMEDIATE_WARM_UP, "--out", str(out))
     return out
 
 
@@ -207,7 +210,8 @@ def test_k_trace_records_the_drafts_of_every_request_at_every_step(
     lengths = (300, 1200, 2400)
     run_module("benchmarks", "--k-trace", "--target", str(target_model), "--draft",
                str(draft_model), "--lengths", *map(str, lengths), "--max-tokens", "24",
-               "--k", "3", "--dtype", "float32", "--kv-cache-gib", "1", "--out", str(tmp_path))
+               "--k", "3", "--dtype", "float32", "--kv-cache-gib", "1",
+               "--spec-extend", IMMEDIATE_WARM_UP, "--out", str(tmp_path))
     result = json.loads((tmp_path / "k_trace.json").read_text())
     assert list(result["passes"]) == ["cold", "warm"]
     for requests in result["passes"].values():

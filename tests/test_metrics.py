@@ -131,9 +131,18 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     assert ('vllm:spec_extend_control_request_paused_fraction_count{model_name="tiny"} 1.0'
             in text)
     assert 'vllm:spec_extend_control_chosen_draft_length_total{draft_length="2",' in text
-    # Warm-up plans are not explorations, nor charged as forced drafts.
+    # Warm-up plans are not explorations, nor charged as forced drafts unpriced.
     assert 'vllm:spec_extend_control_explorations_total{model_name="tiny"} 0.0' in text
     assert 'vllm:spec_extend_control_forced_draft_seconds_total{model_name="tiny"} 0.0' in text
+    assert 'vllm:spec_extend_control_warm_up_pending{model_name="tiny"} 0.0' in text
+    fresh = SpeculationControl(max_num_reqs=4, num_speculative_tokens=2, free_pause=True)
+    collector.update("tiny", {**stats.as_dict(), "tracked_requests": 1, **NO_PRIVATE_LAYOUTS,
+                              "request_kept_fraction": stats.request_kept_fraction.as_dict(),
+                              "request_acceptance_length":
+                                  stats.request_acceptance_length.as_dict(),
+                              "control": fresh.metrics_snapshot()})
+    text = generate_latest(registry).decode()
+    assert 'vllm:spec_extend_control_warm_up_pending{model_name="tiny"} 1.0' in text
 
 
 def test_leaving_requests_are_folded_into_the_histograms_in_batches():

@@ -38,7 +38,8 @@ _CONTROL_COUNTERS = {
     "paused_request_steps": "Goodput control: request-steps without drafts (paused).",
     "probes": "Goodput control: drafts planned to re-measure a paused request.",
     "forced_draft_seconds": "Goodput control: seconds that steps with only forced drafts "
-                            "(probes, explorations) took beyond the step without drafts.",
+                            "(probes, explorations, a priced warm-up) took beyond the step "
+                            "without drafts.",
     "explorations": "Goodput control: steps planned against its choice (every request "
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "
@@ -46,6 +47,10 @@ _CONTROL_COUNTERS = {
     "catch_up_tokens": "Goodput control: tokens the draft caught up after pauses.",
     "deferred_prefill_tokens": "Goodput control: prompt tokens not run through the draft "
                                "(nobody drafted, a new request would not have either).",
+}
+_CONTROL_GAUGES = {
+    "warm_up_pending": "Goodput control: 1 until its warm-up drafted (priced, it waits "
+                       "until the probe budget covers it), then 0.",
 }
 _HISTOGRAMS = {
     "request_kept_fraction": "Per finished request: kept tokens / context tokens.",
@@ -99,7 +104,8 @@ class SpecExtendCollector:
         controlled = {model: snap["control"] for model, snap in everything.items()
                       if snap.get("control") is not None}
         if controlled:
-            yield from _control_families(controlled, CounterMetricFamily, HistogramMetricFamily)
+            yield from _control_families(controlled, CounterMetricFamily, GaugeMetricFamily,
+                                         HistogramMetricFamily)
         if not snapshots:
             return
         for key, doc in _COUNTERS.items():
@@ -125,13 +131,14 @@ class SpecExtendCollector:
                                     {model: snap[key] for model, snap in snapshots.items()})
 
 
-def _control_families(controlled: dict[str, dict[str, Any]], counter: Any,
+def _control_families(controlled: dict[str, dict[str, Any]], counter: Any, gauge: Any,
                       histogram: Any) -> Iterator[Any]:
-    for key, doc in _CONTROL_COUNTERS.items():
-        family = counter(f"vllm:spec_extend_control_{key}", doc, labels=["model_name"])
-        for model, control in controlled.items():
-            family.add_metric([model], control[key])
-        yield family
+    for kinds, family_type in ((_CONTROL_COUNTERS, counter), (_CONTROL_GAUGES, gauge)):
+        for key, doc in kinds.items():
+            family = family_type(f"vllm:spec_extend_control_{key}", doc, labels=["model_name"])
+            for model, control in controlled.items():
+                family.add_metric([model], control[key])
+            yield family
     family = counter("vllm:spec_extend_control_chosen_draft_length",
                      "Goodput control: request-steps by the number of drafts chosen.",
                      labels=["model_name", "draft_length"])

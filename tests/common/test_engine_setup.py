@@ -301,6 +301,10 @@ def test_goodput_control_refuses_what_it_cannot_serve(target_model, draft_model,
     with pytest.raises(SpecExtendConfigError, match=r"'speculation_control'='fast' is invalid; "
                                                     r"allowed values: \['off', 'goodput'\]"):
         engine_config(target_model, draft_model, spec_extend={"speculation_control": "fast"})
+    with pytest.raises(SpecExtendConfigError, match=r"'goodput_warm_up'='later' is invalid; "
+                                                    r"allowed values: \['priced', 'immediate'\]"):
+        engine_config(target_model, draft_model,
+                      spec_extend={**goodput, "goodput_warm_up": "later"})
     from vllm_specextend.common.engine_setup import resolve_setup
 
     # A user's async_scheduling=True (the CPU platform turns it off itself).
@@ -456,6 +460,10 @@ def test_options_a_setting_makes_meaningless_are_named(target_model, draft_model
     assert engine_setup.meaningless_options(
         {"mode": "off", "speculation_control": "goodput", "chunk_size": 64}, config) == {
         "chunk_size": "mode='off' retrieves nothing"}
+    config = SpecExtendConfig(mode="off", goodput_warm_up="immediate")
+    assert engine_setup.meaningless_options({"mode": "off", "goodput_warm_up": "immediate"},
+                                            config) == {
+        "goodput_warm_up": "speculation_control='off' has no warm-up"}
 
 
 def test_goodput_control_on_a_gpu_says_it_does_not_hold_its_floor(target_model, draft_model,

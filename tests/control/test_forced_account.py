@@ -16,15 +16,15 @@ NOT_PROBING = np.zeros(4, bool)
 
 def paused_plans(account: ForcedDraftAccount, plans: int) -> None:
     for _ in range(plans):
-        account.planned(PAUSED_STEP, 4, NONE, NONE, NOT_PROBING, warm_up=False)
+        account.planned(PAUSED_STEP, 4, NONE, NONE, NOT_PROBING)
         account.measured(PAUSED_STEP)
 
 
-def probe(account: ForcedDraftAccount, seconds: float, *, chosen=NONE, warm_up=False) -> None:
+def probe(account: ForcedDraftAccount, seconds: float, *, chosen=NONE, charged=None) -> None:
     """Row 0 probes one draft (the other rows pause); its step takes ``seconds``."""
     lengths = np.array([1, 0, 0, 0])
     account.planned(PAUSED_STEP, 3, lengths, np.maximum(chosen, lengths),
-                    np.array([chosen[0] == 0, False, False, False]), warm_up=warm_up)
+                    np.array([chosen[0] == 0, False, False, False]), charged=charged)
     account.measured(seconds)
 
 
@@ -41,22 +41,37 @@ def test_a_probe_is_charged_what_its_step_measured_beyond_a_paused_one():
     assert account.settings(SETTINGS) is SETTINGS
 
 
-@pytest.mark.parametrize("kind", ["on estimates", "warm-up"])
+@pytest.mark.parametrize("kind", ["on estimates", "unpriced warm-up"])
 def test_drafts_not_all_forced_are_not_charged(kind):
     # A row drafting on its estimates shares the step (its cost is the
-    # cost model's to learn); the warm-up is unpriced.
+    # cost model's to learn); an unpriced warm-up (no draft weighed) is not charged.
     account = ForcedDraftAccount(0.02, 128)
     if kind == "on estimates":
         probe(account, 2.0, chosen=np.array([2, 0, 0, 0]))
     else:
-        probe(account, 2.0, warm_up=True)
+        probe(account, 2.0, charged=False)
     assert account.excess_seconds == 0.0 and not account.in_debt
+
+
+def test_a_priced_warm_up_waits_for_its_price_beyond_the_cap_and_is_charged():
+    account = ForcedDraftAccount(0.02, most_paused_plans=128)
+    price = 2 * 0.02 * PAUSED_STEP * 128  # twice what the cap holds
+    waited = 0
+    while not account.affords(price):
+        paused_plans(account, 1)
+        waited += 1
+    assert waited == pytest.approx(256, abs=1)  # 2% of a paused step per plan
+    # Charged whatever the choice said (an untimed draft looks free to it).
+    probe(account, PAUSED_STEP + price, chosen=np.array([4, 4, 4, 4]), charged=True)
+    assert account.balance == pytest.approx(0.0, abs=1e-9)  # held at the price it waited for
+    paused_plans(account, 10_000)  # the cap again, once nothing waits
+    assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)
 
 
 def test_a_step_that_is_not_a_decode_step_is_not_charged():
     account = ForcedDraftAccount(0.02, 128)
     account.planned(PAUSED_STEP, 3, np.array([1, 0, 0, 0]), np.array([1, 0, 0, 0]),
-                    np.array([True, False, False, False]), warm_up=False)
+                    np.array([True, False, False, False]))
     account.measured(None)  # a prefill came next
     account.measured(5.0)  # nothing pending any more
     assert account.excess_seconds == 0.0

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_specextend.control.draft_warm_up import WARM_UP
 from vllm_specextend.control.goodput import (
     AcceptanceEstimates,
     ControlParameters,
@@ -612,6 +613,7 @@ def test_a_prompt_is_not_run_through_the_draft_for_a_number_of_draft_steps_never
     # choice try each once on the whole batch); untimed, they are still no
     # reason to pay a prompt's draft prefill.
     controller = GoodputController(max_num_reqs=8, num_speculative_tokens=K, free_pause=True)
+    controller.warm_up.plans_done = len(WARM_UP)  # the steps below time what it would
     for step in range(20):
         tokens = 2 + step % 7
         controller.cost.observe(step_features(tokens, 0, K), 0.05 + 0.005 * tokens)

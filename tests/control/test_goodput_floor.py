@@ -9,7 +9,8 @@ for such steps (``benchmarks/results/goodput-floor``): the target's forward,
 a little more per verified draft, the draft's forward per draft step (run
 once for the batch however many rows draft), per caught-up token; drafts are
 accepted position by position at a fixed rate. The target alone decodes one
-token a step. The first batch (the controller's warm-up) is not counted.
+token a step. The first batch (the controller's warm-up, unpriced) is not
+counted, except for a fresh engine, whose warm-up waits for its price.
 Optionally a draft forward that catches up costs more the first time it runs
 at a token count (``cold_catch_up``): a CPU engine's oneDNN creates a GEMM
 primitive per new row count, which the step-cost model never learns as a
@@ -34,10 +35,16 @@ BATCH, K, TOKENS, PROMPT = 4, 4, 32, 3690
 
 def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: int = 8,
                     stats: list | None = None, tokens: int = TOKENS,
-                    cold_catch_up: float = 0.0) -> float:
-    """Goodput control's tokens per second over the target alone's."""
+                    cold_catch_up: float = 0.0, priced_warm_up: bool = False,
+                    fresh: bool = False) -> float:
+    """Goodput control's tokens per second over the target alone's.
+    ``priced_warm_up``: the warm-up waits for its price, a draft forward at
+    its true share of a target step (as an engine's drafter weighs it from
+    the parameters); ``fresh``: the first batch counts too."""
     rng = np.random.default_rng(seed)
     control = SpeculationControl(BATCH, K, free_pause=True, synced_lead=1, defer_prompts=True)
+    if priced_warm_up:
+        control.controller.warm_up.draft_forward_share = draft_step / TARGET_STEP
     clock = [0.0]
     control.clock = lambda: clock[0]
     first_pass_counts = set()
@@ -74,7 +81,7 @@ def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: in
             req_ids = [req_id for req_id, kept in zip(req_ids, going) if kept]
             prompt, context, query, output, verifying = (
                 a[going] for a in (prompt, context, query, output, verifying))
-        if batch:
+        if batch or fresh:
             controlled += clock[0] - start
             alone += PREFILL + TARGET_STEP * tokens
     if stats is not None:
@@ -101,6 +108,33 @@ def test_a_draft_dearer_than_it_can_pay_for_is_never_run_after_the_warm_up():
                                                          (0.05, 0.5, 1.03)])
 def test_goodput_control_drafts_where_drafting_pays(draft_step, acceptance, gain):
     speeds = [simulated_speed(draft_step, acceptance, seed) for seed in range(3)]
+    assert min(speeds) >= gain, speeds
+
+
+@pytest.mark.parametrize("draft_step", [0.05, 0.15, 0.4])
+@pytest.mark.parametrize("acceptance", [0.2, 0.35, 0.5])
+def test_a_fresh_engine_keeps_the_floor_in_its_first_requests(draft_step, acceptance):
+    # The warm-up waits for its price: the first batch runs paused throughout.
+    speeds = [simulated_speed(draft_step, acceptance, seed, batches=1, priced_warm_up=True,
+                              fresh=True) for seed in range(3)]
+    assert min(speeds) >= 0.97, speeds
+
+
+@pytest.mark.parametrize("draft_step", [0.15, 0.4])
+def test_an_unpriced_warm_up_loses_a_fresh_engine_its_first_requests(draft_step):
+    # The controller as it was (goodput_warm_up "immediate"): two plans at K
+    # at the first decode steps, then estimates still near their prior.
+    speeds = [simulated_speed(draft_step, 0.35, seed, batches=1, fresh=True)
+              for seed in range(3)]
+    assert max(speeds) < 0.97, speeds
+
+
+@pytest.mark.parametrize("draft_step, gain", [(0.05, 1.2), (0.15, 1.01)])
+def test_a_fresh_engine_whose_warm_up_waited_drafts_where_drafting_pays(draft_step, gain):
+    # Acceptance 0.8: after the warm-up (about 2 K x share / 2% steps) the
+    # engine drafts, and over 8 batches it gains.
+    speeds = [simulated_speed(draft_step, 0.8, seed, priced_warm_up=True, fresh=True)
+              for seed in range(3)]
     assert min(speeds) >= gain, speeds
 
 

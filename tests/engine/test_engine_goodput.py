@@ -24,7 +24,9 @@ pytestmark = pytest.mark.engine
 
 K = 3
 MAX_TOKENS = 48
-GOODPUT = {"speculation_control": "goodput"}
+# The warm-up drafts at the first decode steps: these tests show the engine's
+# mechanics from its first requests (a priced warm-up waits: the last test).
+GOODPUT = {"speculation_control": "goodput", "goodput_warm_up": "immediate"}
 # The whole cache (no retrieval): a draft equal to the target accepts everything.
 FULL_CACHE_GOODPUT = {"mode": "off", **GOODPUT}
 
@@ -389,3 +391,26 @@ def test_goodput_control_with_a_head_at_compact_positions_equals_target_alone(ta
         control = llm.collective_rpc(control_counts)[0]
     assert control["drafted_request_steps"] > 0 and control["paused_request_steps"] > 0
     assert control["skipped_draft_forwards"] > 0 and control["catch_up_tokens"] > 0
+
+
+def _warm_up_state(worker) -> dict:
+    warm_up = worker.model_runner.drafter.control.controller.warm_up
+    return {"share": warm_up.draft_forward_share, "pending": warm_up.pending}
+
+
+def test_a_fresh_engine_prices_its_warm_up_by_the_draft_parameters_and_waits(
+        target_model, draft_model, target_reference):
+    # The default warm-up: the noisy copy has the target's parameters (share
+    # 1), so its 2 x K draft forwards cost 2K paused steps of credit, at 2%
+    # of a step a plan: 100 x 2K plans, more than these requests decode.
+    prompts = corpus_prompts(target_model, [150, 1200, 3000, 600])
+    reference = target_reference(target_model, prompts, MAX_TOKENS)
+    with engine(target_model, draft_model, k=K,
+                spec_extend={**SMALL_CACHE, "speculation_control": "goodput"}) as llm:
+        outputs = generate_greedy(llm, prompts, MAX_TOKENS)
+        control = llm.collective_rpc(control_counts)[0]
+        state = llm.collective_rpc(_warm_up_state)[0]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert state == {"share": pytest.approx(1.0), "pending": True}
+    assert control["drafted_request_steps"] == 0
+    assert control["paused_request_steps"] >= len(prompts) * (MAX_TOKENS - 2)

@@ -155,7 +155,8 @@ def test_served_goodput_control_outputs_equal_target_only_server(served_referenc
     lengths all 0, still counted as decided) fails the drafted-tokens check."""
     mix, reference = served_reference
     with server(target_model, draft_model,
-                {**SMALL_CACHE, "speculation_control": "goodput"}) as (base, _):
+                {**SMALL_CACHE, "speculation_control": "goodput",
+                 "goodput_warm_up": "immediate"}) as (base, _):
         served = run_mix(base, mix)
         time.sleep(3)
         metrics = prometheus_values(requests.get(f"{base}/metrics", timeout=10).text)

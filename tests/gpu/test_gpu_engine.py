@@ -263,7 +263,7 @@ def test_cmr_on_gpu(config, report):
     expected = target_alone(runner, graphs, base, prompts)
     spec_extend = dict(SMALL_CACHE)
     if control:
-        spec_extend["speculation_control"] = control
+        spec_extend.update(speculation_control=control, goodput_warm_up="immediate")
     record = report.setdefault(_config_id(config), {})
     compiles = TritonCompiles()
     try:

@@ -288,6 +288,8 @@ def meaningless_options(options: dict[str, Any], config: SpecExtendConfig) -> di
     """The options the user set that another setting makes meaningless, each
     with the reason."""
     ignored: dict[str, str] = {}
+    if "goodput_warm_up" in options and not config.controls_speculation:
+        ignored["goodput_warm_up"] = "speculation_control='off' has no warm-up"
     if not config.retrieves:
         for name in RETRIEVAL_ONLY_OPTIONS:
             if name in options:

@@ -18,6 +18,7 @@ RetrievalMode = Literal["cmr", "streaming", "off"]
 ScoreAggregation = Literal["last_token", "accepted_tokens"]
 DraftPositions = Literal["auto", "original", "compact"]
 SpeculationControlMode = Literal["off", "goodput"]
+GoodputWarmUp = Literal["priced", "immediate"]
 RetrievalRefresh = Literal["interval", "acceptance"]
 
 # Default retrieved budget, in tokens. Sweeps on the Qwen2.5-Coder 1.5B/0.5B
@@ -112,11 +113,23 @@ class SpecExtendConfig:
     caught up when drafting resumes. Needs vLLM's synchronous scheduler.
     ``off``: vLLM's K for every request."""
 
+    goodput_warm_up: GoodputWarmUp = "priced"
+    """Goodput control's first drafts, which time the draft (until then its
+    cost is unknown). ``priced``: they wait until the time they are expected
+    to cost (a draft forward at the draft's share of the target's
+    parameters) is within the 2% of decode time that probes may spend, so
+    a fresh engine's first requests are not slower than the target alone;
+    drafting starts after about ``100 x 2K x share`` decode steps (about
+    130 for the Qwen2.5-Coder 1.5B / 0.5B pair at K = 4). ``immediate``: at
+    the engine's first decode steps (a fresh engine pays them: 6% of the
+    first 30 float32 steps of that pair on a 2-core CPU)."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, RetrievalMode)
         _check_choice("score_aggregation", self.score_aggregation, ScoreAggregation)
         _check_choice("draft_positions", self.draft_positions, DraftPositions)
         _check_choice("speculation_control", self.speculation_control, SpeculationControlMode)
+        _check_choice("goodput_warm_up", self.goodput_warm_up, GoodputWarmUp)
         _check_choice("retrieval_refresh", self.retrieval_refresh, RetrievalRefresh)
         if not isinstance(self.private_layouts, bool):
             raise SpecExtendConfigError(

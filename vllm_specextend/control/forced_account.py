@@ -1,5 +1,5 @@
-"""What forced drafts (probes, explorations) have cost, measured: the
-engine-wide account that keeps them within ``probe_budget`` on any machine.
+"""What forced drafts (probes, explorations, the warm-up) have cost, measured:
+the engine-wide account that keeps them within ``probe_budget`` on any machine.
 
 A row's budget (``plan_kernels.forced_rows``) admits a probe by its price,
 which the step-cost model predicts. A probe's step can cost far more than
@@ -7,9 +7,13 @@ that: its draft forward runs at a token count the engine has not run lately
 (vLLM's CPU GEMMs create a oneDNN primitive per new row count: 2-54 ms more
 for a forward of the real models on an AMX Xeon, ``benchmarks/onednn_shapes.py``;
 more where the JIT is slower), and a step far above its prediction is
-dropped by the cost model as a stall, so the price never learns it. The account pays each step whose drafts were all forced at
-what the clock measured beyond the predicted step without drafts; while it
-is in debt, no row drafts by force.
+dropped by the cost model as a stall, so the price never learns it. The
+account pays each step whose drafts were all forced at what the clock
+measured beyond the predicted step without drafts; while it is in debt, no
+row drafts by force.
+
+The engine's warm-up draft is paid from it too once it is priced
+(``draft_warm_up.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class ForcedDraftAccount:
         """What steps with only forced drafts took beyond their predicted
         step without drafts, summed (each at least 0): the metric."""
         self._pending: float | None = None
+        self._reserve = 0.0
+        """What a plan waits to afford (:meth:`affords`): the credit's cap
+        is at least that."""
 
     @property
     def in_debt(self) -> bool:
@@ -44,21 +51,30 @@ class ForcedDraftAccount:
         """A plan's ``settings``: no probe budget while the account is in debt."""
         return settings._replace(probe_budget=0.0) if self.in_debt else settings
 
+    def affords(self, price: float) -> bool:
+        """Whether a forced draft waiting for the credit (the warm-up's) may
+        run at ``price``; the credit may grow past its cap up to it for the
+        next plan."""
+        self._reserve = price
+        return self.balance >= price
+
     def planned(self, paused_step: float, paused_rows: int, draft_lengths: np.ndarray,
-                chosen: np.ndarray, probing: np.ndarray, warm_up: bool) -> None:
+                chosen: np.ndarray, probing: np.ndarray, charged: bool | None = None) -> None:
         """A plan decided (``paused_step``: its step predicted without
         drafts; ``chosen``: the drafts on estimates and probes before any
         exploration): its paused decode rows are credited, and a plan whose
         drafts are all forced (probes, or an exploration's rows not drafting
-        on estimates; not the unpriced warm-up) is measured at the next step
-        (:meth:`measured`)."""
+        on estimates) is measured at the next step (:meth:`measured`);
+        ``charged``: whether it is, where the plan says (the warm-up's)."""
         rows = draft_lengths.shape[0]
         if rows:
             credit = self.probe_budget * paused_step / rows
             self.balance = min(self.balance + credit * paused_rows,
-                               credit * rows * self.most_paused_plans)
+                               max(credit * rows * self.most_paused_plans, self._reserve))
+        self._reserve = 0.0
         drafts = draft_lengths > 0
-        forced_only = drafts.any() and not warm_up and not (drafts & (chosen > 0) & ~probing).any()
+        forced_only = drafts.any() and (not (drafts & (chosen > 0) & ~probing).any()
+                                        if charged is None else charged)
         self._pending = paused_step if forced_only else None
 
     def measured(self, seconds: float | None) -> None:

@@ -26,11 +26,12 @@ a request pauses (drafts nothing) in a step unless one of these says it drafts:
    (``probe_budget`` of the time it paused) covers a draft and its least
    catch-up at their predicted price; the engine pays what they measured
    (:class:`ForcedDraftAccount`): while it is in debt no row drafts by force.
-3. **Warm-up and exploration** (:meth:`GoodputController._explore`): the
-   engine's first plans with decoding rows (``WARM_UP``), then every
-   ``explore_interval`` plans one that departs from the choice, so the cost
-   model keeps seeing every number of draft steps; a row not drafting on its
-   estimates joins only within its budget.
+3. **Warm-up and exploration**: the engine's first plans with decoding rows
+   (:class:`DraftWarmUp`; priced, it waits until the account covers it),
+   then every ``explore_interval`` plans one that departs from the choice
+   (:meth:`GoodputController._explore`), so the cost model keeps seeing
+   every number of draft steps; a row not drafting on its estimates joins
+   only within its budget.
 
 The draft's forward then runs unless nobody drafts and the drafter can catch
 up later (``free_pause``, :func:`decide_draft_forward`). A step with prompt
@@ -55,6 +56,7 @@ from vllm_specextend.control.acceptance import AcceptanceEstimates
 from vllm_specextend.control.control_stats import FOLD_AT, ControlStats
 from vllm_specextend.control.cost_model import StepCostModel, step_features
 from vllm_specextend.control.draft_lengths import DraftPlan, choose_draft_lengths
+from vllm_specextend.control.draft_warm_up import DraftWarmUp
 from vllm_specextend.control.forced_account import ForcedDraftAccount
 from vllm_specextend.control.kernel_state import (
     ChoiceSettings,
@@ -82,16 +84,10 @@ from vllm_specextend.control.plan_kernels import (
 )
 
 __all__ = [
-    "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "WARM_UP", "AcceptanceEstimates",
+    "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "AcceptanceEstimates",
     "ControlParameters", "DraftPlan", "GoodputController", "StepCostModel", "StepOutcome",
     "choose_draft_lengths", "decide_draft_forward", "step_features",
 ]
-
-WARM_UP = ("draft", "draft", "pause", "pause")
-"""The engine's first plans with decoding rows: two drafting ``K`` (the second
-is timed even where the first follows a prefill; fewer draft steps are priced
-per step until timed; each waits for a row with no more to catch up than a
-probe), then two paused."""
 
 _NO_INTS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=bool)
@@ -136,8 +132,7 @@ class GoodputController:
         self.full_graph_query_len = full_graph_query_len
         self.free_pause = free_pause
         self.defer_prompts = defer_prompts and free_pause
-        self.parameters = parameters
-        p = parameters
+        self.parameters = p = parameters
         self.cost = self._cost_model()
         self.acceptance = AcceptanceEstimates(max_num_reqs, num_speculative_tokens,
                                               smoothing=p.acceptance_smoothing,
@@ -165,8 +160,7 @@ class GoodputController:
         self._last_prefilling = True
         self._last_draft_forwards = 0
         self._last_catch_up_tokens = 0
-        self._warm_up_plans = 0
-        """``WARM_UP`` entries done (a drafting one once a row drafted in it)."""
+        self.warm_up = DraftWarmUp(num_speculative_tokens, p.min_probe_catch_up)
         self._since_exploration = 0
         self._prompt_budget = 0.0
         """Seconds of draft prefill the engine may spend on prompts it would
@@ -275,8 +269,14 @@ class GoodputController:
             PlanShape(other_tokens, -1 if graph is None else graph - 1, not exploring),
             self.stats.chosen_lengths)
         plan = DraftPlan(lengths, steps, goodput)
-        warm_up_plans = self._warm_up_plans
-        if exploring:
+        warm_up = self.warm_up.pending and scratch.decoding[:num_requests].any()
+        if warm_up:
+            plan = self.warm_up.plan(plan, scratch.decoding[:num_requests],
+                                     scratch.least_catch_up[:num_requests], paused_step,
+                                     self.forced_account)
+            if self.warm_up.priced:  # its rows draft by force: catch up what a probe would
+                lengths = np.zeros_like(lengths)
+        elif exploring:
             plan = self._explore(plan, scratch.decoding[:num_requests],
                                  scratch.budget[:num_requests],
                                  scratch.least_catch_up[:num_requests])
@@ -292,9 +292,9 @@ class GoodputController:
                     survival, drafting, resume, ~verifying, step.query_lens, num_requests)
         if exploring:
             limits, counts = self._settle(slots, plan.draft_lengths, lengths)
-        self.forced_account.planned(paused_step, counts[4], plan.draft_lengths, lengths,
-                                    scratch.probing[:num_requests],
-                                    warm_up_plans != self._warm_up_plans)
+        self.forced_account.planned(
+            paused_step, counts[4], plan.draft_lengths, lengths, scratch.probing[:num_requests],
+            self.warm_up.priced if warm_up and self.warm_up.planned_now else None)
         return self._noted(plan, limits, counts)
 
     def _decide_forward(self, plan: DraftPlan, verifying: np.ndarray,
@@ -309,9 +309,9 @@ class GoodputController:
         self.stats.skipped_draft_forwards += not runs
 
     def _exploration_due(self) -> bool:
-        """Whether :meth:`_explore` may change this plan: a warm-up plan, or
+        """Whether this plan may depart from the choice: a warm-up plan, or
         an exploration's interval is up (otherwise it only counts the plan)."""
-        return (self._warm_up_plans < len(WARM_UP)
+        return (self.warm_up.pending
                 or self._since_exploration + 1 >= self.parameters.explore_interval)
 
     def _settle(self, slots: np.ndarray, lengths: np.ndarray, chosen: np.ndarray) -> tuple:
@@ -361,8 +361,10 @@ class GoodputController:
     def _prompt_through_draft(self, survival, drafting, resume, prompting: np.ndarray,
                               query_lens: np.ndarray, num_requests: int) -> bool:
         """Whether this step's prompt chunks go through the draft when nobody
-        drafts: where a new request would draft, or within the prompt budget."""
-        if self._new_request_drafts(survival, drafting, resume, prompting, num_requests):
+        drafts: before the warm-up (it needs a request in sync), where a new
+        request would draft, or within the prompt budget."""
+        if self.warm_up.pending or self._new_request_drafts(survival, drafting, resume,
+                                                            prompting, num_requests):
             return True
         cost = self.cost.catch_up_seconds() * int(query_lens[prompting].sum())
         if cost > self._prompt_budget:
@@ -391,9 +393,7 @@ class GoodputController:
 
     def _explore(self, plan: DraftPlan, decoding: np.ndarray, budgets: np.ndarray,
                  least: np.ndarray) -> DraftPlan:
-        """Warm-up (``WARM_UP``; a warm-up row joins only with no more than
-        ``min_probe_catch_up`` tokens to catch up: not a prompt the draft
-        lacks); after that, every ``explore_interval`` plans, one that
+        """Every ``explore_interval`` plans after the warm-up, one that
         departs from the choice: every row drafting D (D cycling through
         1..K) or, while some rows draft, every other time none. The cost
         model then keeps seeing every number of draft steps. A row not
@@ -401,18 +401,6 @@ class GoodputController:
         probe budget covers it (the exploration waits for one that does)."""
         if not decoding.any():
             return plan
-        if self._warm_up_plans < len(WARM_UP):
-            drafts = WARM_UP[self._warm_up_plans] == "draft"
-            # Unpriced: a row joins with no more to catch up than a probe
-            # would (not a prompt the draft lacks, which it would catch up whole).
-            rows = decoding & (least <= self.parameters.min_probe_catch_up) & drafts
-            if drafts and not rows.any():
-                # Waits for a row that can join: a warm-up that drafts
-                # nothing times nothing, and untimed draft steps look free.
-                return plan
-            self._warm_up_plans += 1
-            steps = self.num_speculative_tokens if rows.any() else 0
-            return DraftPlan(np.where(rows, steps, 0), steps, plan.expected_goodput)
         self._since_exploration += 1
         if self._since_exploration < self.parameters.explore_interval:
             return plan

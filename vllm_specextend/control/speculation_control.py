@@ -15,9 +15,10 @@ The adapter calls it at three points:
   ``warm_up_control`` compiled its loops): built with what the drafter can
   catch up (a draft model from token ids, an EAGLE head also from
   the target's hidden states kept for it);
-- model load (:meth:`~SpeculationControl.allocate_paused_hidden_states`): a
-  head's ring of the target's recent hidden states, before vLLM measures
-  memory;
+- model load (:meth:`~SpeculationControl.weigh_draft`: what a draft forward
+  should cost, the warm-up's price; and
+  :meth:`~SpeculationControl.allocate_paused_hidden_states`: a head's ring of
+  the target's recent hidden states, before vLLM measures memory);
 - every proposal: :meth:`~SpeculationControl.plan` (each request's drafts,
   and whether the draft's forward runs at all), then
   :meth:`~SpeculationControl.catch_up` (the tokens verified while the
@@ -96,6 +97,7 @@ class SpeculationControl:
         max_num_tokens: int = 0,
         device: torch.device | None = None,
         steps_in_flight: int = 2,
+        prices_warm_up: bool = True,
     ) -> None:
         """Host-side control without ``device``; a drafter's
         (:meth:`for_drafter`) also stages indices on its device.
@@ -122,6 +124,8 @@ class SpeculationControl:
             max_num_tokens: the drafter's token budget a step.
             device: where staged indices go (None: host-side only).
             steps_in_flight: steps whose staged indices may still be read.
+            prices_warm_up: the warm-up waits for its price once the draft
+                is weighed (:meth:`weigh_draft`; ``goodput_warm_up``).
         """
         self.controller = GoodputController(
             max_num_reqs, num_speculative_tokens, free_pause, parameters=parameters,
@@ -129,6 +133,7 @@ class SpeculationControl:
             defer_prompts=defer_prompts)
         self.requests = self.controller.requests
         self._owns_requests = requests is None
+        self.prices_warm_up = prices_warm_up
         self.kv_frontiers = DraftKvFrontiers(max_num_reqs, synced_lead, max_catch_up)
         self.requests.subscribe(left=self.kv_frontiers.forget)
         self.clock = time.perf_counter
@@ -166,6 +171,7 @@ class SpeculationControl:
         device: torch.device,
         requests: RequestSlots | None = None,
         full_graph_query_len: int | None = None,
+        prices_warm_up: bool = True,
     ) -> SpeculationControl:
         """A drafter's control (its loops compiled beforehand:
         :func:`~vllm_specextend.control.warm_up.warm_up_control`).
@@ -178,6 +184,7 @@ class SpeculationControl:
                 (an engine's is known only once its attention backends are).
             requests: the drafter's request slots, shared with retrieval
                 (None: its own).
+            prices_warm_up: ``goodput_warm_up`` ``priced``.
         """
         is_draft_model = method == "draft_model"
         # A request paused longer is caught up from its last positions
@@ -201,6 +208,7 @@ class SpeculationControl:
             max_num_tokens=max_num_tokens,
             device=device,
             steps_in_flight=steps_in_flight,
+            prices_warm_up=prices_warm_up,
         )
 
     def set_full_graph_query_len(self, full_graph_query_len: int | None) -> None:
@@ -217,6 +225,18 @@ class SpeculationControl:
         draft forward where every request ends) and no probe falls on it."""
         self.controller.state.max_output_tokens[slots] = [
             UNLIMITED if limit is None else limit for limit in max_tokens]
+
+    def weigh_draft(self, draft: torch.nn.Module, target: torch.nn.Module) -> None:
+        """At model load, for a priced warm-up (``goodput_warm_up``): a draft
+        forward is expected to cost its parameters' share of the target's
+        step (a decode step reads every weight), the warm-up's price until a
+        draft is timed (``DraftWarmUp.draft_forward_share``)."""
+        if not self.prices_warm_up:
+            return
+        share = parameter_count(draft) / parameter_count(target)
+        self.controller.warm_up.draft_forward_share = share
+        logger.info("SpecExtend: goodput control prices its warm-up with a draft forward at "
+                    "%.3f of a target step (the draft's parameters over the target's)", share)
 
     def allocate_paused_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """At model load, for a drafter fed the target's hidden states (an
@@ -352,6 +372,7 @@ class SpeculationControl:
             "paused_request_steps": stats.paused_request_steps,
             "probes": stats.probes,
             "forced_draft_seconds": self.controller.forced_account.excess_seconds,
+            "warm_up_pending": int(self.controller.warm_up.pending),
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
             "catch_up_tokens": stats.catch_up_tokens,
@@ -363,3 +384,9 @@ class SpeculationControl:
                                   "paused_steps": int(state.paused_decode_steps[slot])}
                          for req_id, slot in self.requests.items()},
         }
+
+
+def parameter_count(module: torch.nn.Module) -> int:
+    """Elements of ``module``'s parameters, each tensor once (tied embeddings)."""
+    tensors = {p.data_ptr(): p.numel() for p in module.parameters()}
+    return sum(tensors.values())

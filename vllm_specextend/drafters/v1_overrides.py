@@ -85,6 +85,7 @@ class V1Overrides(DrafterFeatures):
                 max_num_tokens=self.max_num_tokens,
                 device=device,
                 requests=self.requests,
+                prices_warm_up=setup.config.goodput_warm_up == "priced",
             )
             control = self.control  # also while the benchmarks rest it (drafter.control None)
             self.requests.subscribe(arrived=lambda req_ids, slots: control.limit_outputs(
@@ -105,8 +106,11 @@ class V1Overrides(DrafterFeatures):
                 get_layers_from_vllm_config(self.vllm_config, Attention),
                 self._draft_attn_layer_names,
             )
-        if self.control is not None and self.control.hidden_capacity:
-            self.control.allocate_paused_hidden_states(self._target_hidden_width(), self.dtype)
+        if self.control is not None:
+            self.control.weigh_draft(self.model, target_model)
+            if self.control.hidden_capacity:
+                self.control.allocate_paused_hidden_states(self._target_hidden_width(),
+                                                           self.dtype)
 
     def _max_tokens(self, req_ids: list[str]) -> list[int | None]:
         """Arriving requests' ``max_tokens``, for goodput control (the runner

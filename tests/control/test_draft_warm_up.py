@@ -1,0 +1,86 @@
+"""Goodput control's warm-up (``control/draft_warm_up.py``): priced at the
+draft's parameter share, it waits for the forced drafts' credit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specextend.control.draft_lengths import DraftPlan
+from vllm_specextend.control.draft_warm_up import WARM_UP, DraftWarmUp
+from vllm_specextend.control.forced_account import ForcedDraftAccount
+from vllm_specextend.control.speculation_control import SpeculationControl, parameter_count
+
+K = 4
+PAUSED_STEP = 0.5
+DECODING = np.ones(3, bool)
+IN_SYNC = np.array([1, 1, 1])  # least catch-up per row
+
+
+def choice() -> DraftPlan:
+    """What the choice would plan before anything is timed: drafts look free."""
+    return DraftPlan(np.full(3, K), K, 1.0)
+
+
+def plans(warm_up: DraftWarmUp, account: ForcedDraftAccount, count: int,
+          least: np.ndarray = IN_SYNC) -> list[list[int]]:
+    """``count`` plans of three decoding rows; each paused row is credited."""
+    lengths = []
+    for _ in range(count):
+        plan = warm_up.plan(choice(), DECODING, least, PAUSED_STEP, account) if (
+            warm_up.pending) else DraftPlan(np.zeros(3, np.int64), 0, 1.0)
+        account.planned(PAUSED_STEP, int((plan.draft_lengths == 0).sum()), plan.draft_lengths,
+                        np.zeros(3, np.int64), np.zeros(3, bool),
+                        warm_up.priced if warm_up.planned_now else None)
+        account.measured(PAUSED_STEP * (1 + 0.25 * plan.draft_steps))
+        lengths.append(plan.draft_lengths.tolist())
+    return lengths
+
+
+def test_a_priced_warm_up_waits_until_the_credit_covers_its_drafts():
+    warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 128)
+    warm_up.draft_forward_share = 0.25
+    # Two plans of K draft forwards at a quarter of a paused step: 2 paused
+    # steps of credit, 2% of one a plan.
+    history = plans(warm_up, account, 104)
+    first = history.index([K, K, K])
+    assert 99 <= first <= 101
+    assert all(lengths == [0, 0, 0] for lengths in history[:first])  # nobody drafts meanwhile
+    assert history[first:first + 4] == [[K, K, K], [K, K, K], [0, 0, 0], [0, 0, 0]]
+    assert not warm_up.pending
+    # Charged what its steps measured beyond a paused step.
+    assert account.excess_seconds == pytest.approx(2 * PAUSED_STEP * 0.25 * K)
+
+
+def test_an_unpriced_warm_up_drafts_at_the_first_decode_plan():
+    warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 128)
+    assert plans(warm_up, account, len(WARM_UP)) == [[K] * 3, [K] * 3, [0] * 3, [0] * 3]
+    assert account.excess_seconds == 0.0  # not charged
+
+
+def test_the_warm_up_drafts_only_rows_with_no_more_to_catch_up_than_a_probe():
+    warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 128)
+    assert plans(warm_up, account, 2, least=np.array([600, 600, 600])) == [[0] * 3] * 2
+    assert warm_up.plans_done == 0
+    assert plans(warm_up, account, 1, least=np.array([600, 3, 600])) == [[0, K, 0]]
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, width: int, tied: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(16, width))
+        # A head sharing the embedding's storage (tied embeddings), another tensor.
+        self.head = torch.nn.Parameter(self.embed.data if tied else torch.zeros(16, width))
+        self.layer = torch.nn.Linear(width, width, bias=False)
+
+
+@pytest.mark.parametrize("prices", [True, False])
+def test_the_draft_is_weighed_by_its_parameters_each_tensor_once(prices):
+    draft, target = TwoLayers(4, tied=True), TwoLayers(8, tied=False)
+    assert parameter_count(draft) == 16 * 4 + 4 * 4
+    assert parameter_count(target) == 2 * 16 * 8 + 8 * 8
+    control = SpeculationControl(2, K, free_pause=True, prices_warm_up=prices)
+    control.weigh_draft(draft, target)
+    share = control.controller.warm_up.draft_forward_share
+    assert share == (pytest.approx(80 / 320) if prices else None)
