@@ -1,4 +1,4 @@
-"""Goodput control's warm-up: the engine's first draft, which times the
+"""Goodput control's warm-up: the engine's first drafts, which time the
 draft's forward for the step-cost model (a number of draft steps never timed
 looks free to it).
 
