@@ -10,6 +10,7 @@ import torch
 from vllm_specextend.control.draft_lengths import DraftPlan
 from vllm_specextend.control.draft_warm_up import WARM_UP, DraftWarmUp
 from vllm_specextend.control.forced_account import ForcedDraftAccount
+from vllm_specextend.control.goodput import GoodputController
 from vllm_specextend.control.speculation_control import SpeculationControl, parameter_count
 
 K = 4
@@ -64,6 +65,23 @@ def test_the_warm_up_drafts_only_rows_with_no_more_to_catch_up_than_a_probe():
     assert plans(warm_up, account, 2, least=np.array([600, 600, 600])) == [[0] * 3] * 2
     assert warm_up.plans_done == 0
     assert plans(warm_up, account, 1, least=np.array([600, 3, 600])) == [[0, K, 0]]
+
+
+def test_the_controller_charges_a_priced_warm_up_and_only_then_drafts():
+    controller = GoodputController(max_num_reqs=3, num_speculative_tokens=K, free_pause=True)
+    controller.warm_up.draft_forward_share = 0.25
+    context, now, drafted_at = np.full(3, 100), 0.0, []
+    for plan_number in range(140):
+        plan = controller.plan(["a", "b", "c"], context, np.ones(3, np.int64),
+                               np.full(3, 100), now)
+        now += PAUSED_STEP + 0.25 * PAUSED_STEP * plan.draft_steps
+        context = context + 1
+        if plan.draft_steps:
+            drafted_at.append(plan_number)
+    assert drafted_at[:2] == [drafted_at[0], drafted_at[0] + 1] and drafted_at[0] >= 95
+    # Its two steps' draft forwards, charged beyond a paused step.
+    assert controller.forced_account.excess_seconds == pytest.approx(
+        2 * 0.25 * K * PAUSED_STEP, rel=0.05)
 
 
 class TwoLayers(torch.nn.Module):

@@ -62,10 +62,26 @@ def test_a_priced_warm_up_waits_for_its_price_beyond_the_cap_and_is_charged():
         waited += 1
     assert waited == pytest.approx(256, abs=1)  # 2% of a paused step per plan
     # Charged whatever the choice said (an untimed draft looks free to it).
+    balance = account.balance
     probe(account, PAUSED_STEP + price, chosen=np.array([4, 4, 4, 4]), charged=True)
-    assert account.balance == pytest.approx(0.0, abs=1e-9)  # held at the price it waited for
+    assert account.balance == pytest.approx(balance + 0.02 * PAUSED_STEP * 3 / 4 - price)
     paused_plans(account, 10_000)  # the cap again, once nothing waits
     assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)
+
+
+def test_a_warm_up_priced_at_the_cap_is_afforded_while_the_paused_step_grows():
+    # The Qwen pair in float32: 2 x K x 0.32 = 2.56 paused steps, the cap
+    # itself; the paused step grows with the context (as the cost model
+    # tracks it). A cap raised only to the price chased it for ever (the
+    # goodput grid's warm-up never came).
+    account = ForcedDraftAccount(0.02, most_paused_plans=128)
+    for plan in range(400):
+        step = PAUSED_STEP * (1 + 1e-4 * plan)
+        if account.affords(2 * 4 * 0.32 * step):
+            break
+        account.planned(step, 4, NONE, NONE, NOT_PROBING)
+        account.measured(step)
+    assert plan <= 140
 
 
 def test_a_step_that_is_not_a_decode_step_is_not_charged():

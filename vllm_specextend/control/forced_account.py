@@ -41,7 +41,7 @@ class ForcedDraftAccount:
         self._pending: float | None = None
         self._reserve = 0.0
         """What a plan waits to afford (:meth:`affords`): the credit's cap
-        is at least that."""
+        is raised by that."""
 
     @property
     def in_debt(self) -> bool:
@@ -53,8 +53,9 @@ class ForcedDraftAccount:
 
     def affords(self, price: float) -> bool:
         """Whether a forced draft waiting for the credit (the warm-up's) may
-        run at ``price``; the credit may grow past its cap up to it for the
-        next plan."""
+        run at ``price``; the credit's cap is raised by it for the next plan
+        (to it alone, the credit would chase a price that grows with the
+        paused step)."""
         self._reserve = price
         return self.balance >= price
 
@@ -70,7 +71,7 @@ class ForcedDraftAccount:
         if rows:
             credit = self.probe_budget * paused_step / rows
             self.balance = min(self.balance + credit * paused_rows,
-                               max(credit * rows * self.most_paused_plans, self._reserve))
+                               credit * rows * self.most_paused_plans + self._reserve)
         self._reserve = 0.0
         drafts = draft_lengths > 0
         forced_only = drafts.any() and (not (drafts & (chosen > 0) & ~probing).any()
