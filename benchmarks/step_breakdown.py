@@ -31,8 +31,8 @@ RUNNER_PARTS = (
     ("take_draft_token_ids", "take_draft_token_ids"),
 )
 """(label, ``GPUModelRunner`` method) timed on the runner instance."""
-PARTS = ("period", *(label for label, _ in RUNNER_PARTS), "drafter_propose", "control_plan",
-         "catch_up", "retrieval_plan", "tap")
+PARTS = ("period", *(label for label, _ in RUNNER_PARTS), "target_attention", "drafter_propose",
+         "control_plan", "catch_up", "retrieval_plan", "tap")
 """Every timer, in seconds summed over decode steps (``period``: between two
 decode steps' ``execute_model`` calls)."""
 
@@ -73,6 +73,10 @@ def install_step_breakdown(worker) -> None:
 
     for label, name in RUNNER_PARTS:
         timed(runner, name, label, starts_step=name == "execute_model")
+    for module in runner.model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(impl, "forward") and hasattr(module, "layer_name"):
+            timed(impl, "forward", "target_attention")
     drafter = getattr(runner, "drafter", None)
     if drafter is None:
         return
@@ -112,6 +116,7 @@ def breakdown_per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[st
 
 BREAKDOWN_COLUMNS = (
     ("period", "step (wall)"), ("target_forward", "target forward"),
+    ("target_attention", "target attention"),
     ("execute_model", "execute_model"), ("sample", "sample"),
     ("drafter_propose", "drafter"), ("control_plan", "control plan"),
     ("retrieval_plan", "retrieval plan"), ("tap", "tap"),
