@@ -60,4 +60,6 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
         "cuda": torch.cuda.is_available(),
+        "huge_pages": (os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+                       and "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")),
     }

@@ -308,6 +308,24 @@ def test_benchmarks_give_vllm_every_core_unless_the_user_binds(monkeypatch):
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
 
 
+def test_benchmarks_put_engines_on_huge_pages_unless_the_user_chose(monkeypatch):
+    from benchmarks.cli import use_huge_pages
+    from benchmarks.machine import machine_info
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    use_huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert machine_info()["huge_pages"]
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    use_huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    assert not machine_info()["huge_pages"]
+
+
 def test_document_qa_compares_private_layouts_with_questions_alone(tmp_path):
     from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy, build_short_window_copy
 
