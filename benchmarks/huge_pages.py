@@ -85,7 +85,8 @@ def write(runs: dict, args, out_dir: Path) -> str:
     lines = [f"Read speed (GB/s, median of {args.reads} reads) of two {args.gib:g} GiB buffers "
              f"per process, {cpu_model()[0]}, {os.cpu_count()} cores, system THP `{system_mode}`, "
              f"commit {git_commit()}.", "",
-             "| pages | process | buffer 1 | buffer 2 | buffer 2 / 1 |", "|---|---:|---:|---:|---:|"]
+             "| pages | process | buffer 1 | buffer 2 | buffer 2 / 1 |",
+             "|---|---:|---:|---:|---:|"]
     summary = []
     for label, processes in runs.items():
         all_buffers = []
