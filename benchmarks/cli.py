@@ -220,9 +220,9 @@ def use_huge_pages() -> None:
     oneDNN's packed weights among them (glibc's ``glibc.malloc.hugetlb``).
     Decode on a CPU reads every weight each step; on 4 KiB pages the speed
     depends on where the pages land (on our 2-core VM the first of two
-    3 GiB buffers of a process read at 10-21 GB/s, the second at 20-23,
-    and the first of two identical target-alone engines ran 1.13-1.25x
-    slower); on huge pages 22-25 GB/s (``results/huge-pages``). Every
+    3 GiB buffers of a process read 1.25-1.30x slower than the second, and
+    the first of two identical target-alone engines ran 1.13-1.25x slower);
+    on huge pages 23-25 GB/s and 0.97x (``results/huge-pages``). Every
     configuration gets them alike."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -302,6 +302,11 @@ def main(argv=None) -> None:
     if args.mode == "soak":
         args.max_tokens = args.soak_tokens
     machine = machine_info()
+    if machine["idle_memory_pageout"]:
+        print("warning: this machine pages out memory left idle (DAMON pageout); engines that "
+              "wait their turn slow down. As root, pause it for the run: echo off > "
+              "/sys/kernel/mm/damon/admin/kdamonds/<N>/state (see benchmarks/machine.py)",
+              file=sys.stderr)
     window = f" (window {args.draft_window})" if args.draft_window else ""
     drafter = "draft" if args.method == "draft_model" else f"{args.method} head"
     title = (f"{Path(args.target).name} / {drafter} {Path(args.draft).name}{window}, {args.dtype}, "

@@ -44,6 +44,28 @@ def cpu_model() -> tuple[str, list[str]]:
     return name, [f for f in BF16_CPU_FLAGS if f in flags]
 
 
+DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
+
+
+def idle_memory_pageout(admin: Path = DAMON_ADMIN) -> bool:
+    """Whether the kernel pages out memory left idle (a running DAMON
+    ``pageout`` scheme, as some VMs run to hand memory back to their host).
+    An engine waiting its turn in ``--rounds`` runs is such memory: on our
+    2-core VM the paused engine ran 0.94x the target alone at batch 1 x 4K
+    with it on and 1.01x with it off (``results/goodput-grid-4k-no-pageout``).
+    Pause it for a run as root: ``echo off > <kdamond>/state``."""
+    try:
+        for kdamond in admin.iterdir():
+            if not kdamond.name.isdigit() or (kdamond / "state").read_text().strip() != "on":
+                continue
+            if any(action.read_text().strip() == "pageout"
+                   for action in kdamond.glob("contexts/*/schemes/*/action")):
+                return True
+    except OSError:
+        pass
+    return False
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     import vllm
@@ -62,4 +84,5 @@ def machine_info() -> dict[str, Any]:
         "cuda": torch.cuda.is_available(),
         "huge_pages": (os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
                        and "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")),
+        "idle_memory_pageout": idle_memory_pageout(),
     }

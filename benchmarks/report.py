@@ -63,6 +63,8 @@ def machine_line(machine: dict[str, Any]) -> str:
     flags = "".join(f", {flag}" for flag in machine.get("cpu_bf16_flags", []))
     gpu = ", CUDA available" if machine.get("cuda") else ", no GPU"
     pages = ", huge pages" if machine.get("huge_pages") else ""
+    if machine.get("idle_memory_pageout"):
+        pages += ", idle memory paged out (DAMON)"
     return (f"{machine.get('cpu_model', machine.get('processor'))}, "
             f"{machine.get('cpu_count')} cores ({machine.get('cpu_capability')}{flags}){gpu}"
             f"{pages}; "

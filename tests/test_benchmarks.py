@@ -326,6 +326,38 @@ def test_benchmarks_put_engines_on_huge_pages_unless_the_user_chose(monkeypatch)
     assert not machine_info()["huge_pages"]
 
 
+def test_benchmarks_see_a_running_damon_pageout_scheme(tmp_path):
+    from benchmarks.machine import idle_memory_pageout
+
+    assert not idle_memory_pageout(tmp_path / "absent")
+    scheme = tmp_path / "0" / "contexts" / "0" / "schemes" / "0"
+    scheme.mkdir(parents=True)
+    (scheme / "action").write_text("pageout\n")
+    (tmp_path / "0" / "state").write_text("on\n")
+    (tmp_path / "nr_kdamonds").write_text("1\n")
+    assert idle_memory_pageout(tmp_path)
+    (tmp_path / "0" / "state").write_text("off\n")
+    assert not idle_memory_pageout(tmp_path)
+    (tmp_path / "0" / "state").write_text("on\n")
+    (scheme / "action").write_text("stat\n")
+    assert not idle_memory_pageout(tmp_path)
+
+
+def test_huge_pages_report_names_each_buffer_and_the_spread(tmp_path):
+    from argparse import Namespace
+
+    from benchmarks.huge_pages import write
+
+    runs = {"4 KiB pages": [[[10.0, 12.0, 11.0], [20.0, 21.0, 22.0]]],
+            "huge pages": [[[23.0, 23.0, 22.0], [24.0, 23.0, 24.0]]]}
+    table = write(runs, Namespace(gib=3.0, reads=3, processes=1), tmp_path)
+    assert "| 4 KiB pages | 1 | 11.0 | 21.0 | 1.91 |" in table
+    assert "| 4 KiB pages | 11.0 | 21.0 | 1.91 |" in table
+    assert "| huge pages | 23.0 | 24.0 | 1.04 |" in table
+    assert json.loads((tmp_path / "results.json").read_text())["runs"] == runs
+    assert (tmp_path / "results.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_document_qa_compares_private_layouts_with_questions_alone(tmp_path):
     from tests.tiny_models import TARGET_LLAMA, build_damped_attention_copy, build_short_window_copy
 
