@@ -28,7 +28,12 @@ import time
 from pathlib import Path
 
 from benchmarks.corpus import CORPUS_DIR
-from benchmarks.machine import fast_dtype, machine_info
+from benchmarks.machine import (
+    HUGE_PAGES_FOR_MALLOC,
+    HUGE_PAGES_FOR_TORCH,
+    fast_dtype,
+    machine_info,
+)
 from benchmarks.needle import run_needle, write_needle
 from benchmarks.report import LOCAL_RESULTS_DIR, record_run
 from benchmarks.runs import run_benchmark, write_results
@@ -224,10 +229,11 @@ def use_huge_pages() -> None:
     the first of two identical target-alone engines ran 1.13-1.25x slower);
     on huge pages 23-25 GB/s and 0.97x (``results/huge-pages``). Every
     configuration gets them alike."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    os.environ.setdefault(HUGE_PAGES_FOR_TORCH, "1")
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" not in tunables:
-        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, "glibc.malloc.hugetlb=1")))
+    tunable = HUGE_PAGES_FOR_MALLOC.split("=")[0]
+    if tunable not in tunables:
+        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES_FOR_MALLOC)))
 
 
 def run_mode(args, out_dir: Path, title: str) -> tuple[str, str]:

@@ -20,10 +20,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median_high
+
+from benchmarks.machine import HUGE_PAGES_FOR_MALLOC, HUGE_PAGES_FOR_TORCH, cpu_model
 
 SETTINGS = {
-    "4 KiB pages": {"THP_MEM_ALLOC_ENABLE": "0", "GLIBC_TUNABLES": ""},
-    "huge pages": {"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "4 KiB pages": {HUGE_PAGES_FOR_TORCH: "0", "GLIBC_TUNABLES": ""},
+    "huge pages": {HUGE_PAGES_FOR_TORCH: "1", "GLIBC_TUNABLES": HUGE_PAGES_FOR_MALLOC},
 }
 """Label: the measuring process's environment."""
 COLOURS = {"4 KiB pages": "tab:red", "huge pages": "tab:blue"}
@@ -62,36 +65,31 @@ def measure(gib: float, reads: int, processes: int) -> dict[str, list[list[list[
     return runs
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def write(runs: dict, args, out_dir: Path) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.machine import cpu_model
     from benchmarks.report import git_commit
 
     out_dir.mkdir(parents=True, exist_ok=True)
     system_mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    cpu, commit = cpu_model()[0], git_commit()
     result = {"gib": args.gib, "reads": args.reads, "processes": args.processes,
-              "cpu": cpu_model()[0], "cores": os.cpu_count(), "system_thp": system_mode,
-              "commit": git_commit(), "runs": runs}
+              "cpu": cpu, "cores": os.cpu_count(), "system_thp": system_mode,
+              "commit": commit, "runs": runs}
     (out_dir / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"Read speed (GB/s, median of {args.reads} reads) of two {args.gib:g} GiB buffers "
-             f"per process, {cpu_model()[0]}, {os.cpu_count()} cores, system THP `{system_mode}`, "
-             f"commit {git_commit()}.", "",
+             f"per process, {cpu}, {os.cpu_count()} cores, system THP `{system_mode}`, "
+             f"commit {commit}.", "",
              "| pages | process | buffer 1 | buffer 2 | buffer 2 / 1 |",
              "|---|---:|---:|---:|---:|"]
     summary = []
     for label, processes in runs.items():
         all_buffers = []
         for index, (first, second) in enumerate(processes):
-            a, b = median(first), median(second)
+            a, b = median_high(first), median_high(second)
             all_buffers += [a, b]
             lines.append(f"| {label} | {index + 1} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
         summary.append(f"| {label} | {min(all_buffers):.1f} | {max(all_buffers):.1f} | "
@@ -104,13 +102,13 @@ def write(runs: dict, args, out_dir: Path) -> str:
     for label, processes in runs.items():
         for buffer in (0, 1):
             xs = [index + 1 + (buffer - 0.5) * 0.2 for index in range(len(processes))]
-            ax.scatter(xs, [median(p[buffer]) for p in processes], color=COLOURS[label],
+            ax.scatter(xs, [median_high(p[buffer]) for p in processes], color=COLOURS[label],
                        marker="o" if buffer == 0 else "s",
                        label=f"{label}, buffer {buffer + 1}")
     ax.set_xlabel("process")
     ax.set_ylabel("read GB/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{args.gib:g} GiB buffers, {cpu_model()[0]}, {os.cpu_count()} cores")
+    ax.set_title(f"{args.gib:g} GiB buffers, {cpu}, {os.cpu_count()} cores")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "results.png", dpi=120)

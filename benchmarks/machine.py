@@ -44,6 +44,10 @@ def cpu_model() -> tuple[str, list[str]]:
     return name, [f for f in BF16_CPU_FLAGS if f in flags]
 
 
+HUGE_PAGES_FOR_TORCH = "THP_MEM_ALLOC_ENABLE"
+"""torch's variable: its tensors on transparent huge pages when ``1``."""
+HUGE_PAGES_FOR_MALLOC = "glibc.malloc.hugetlb=1"
+"""glibc's tunable (in ``GLIBC_TUNABLES``): what libraries malloc on them."""
 DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
 
@@ -82,7 +86,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
         "cuda": torch.cuda.is_available(),
-        "huge_pages": (os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-                       and "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")),
+        "huge_pages": (os.environ.get(HUGE_PAGES_FOR_TORCH) == "1"
+                       and HUGE_PAGES_FOR_MALLOC in os.environ.get("GLIBC_TUNABLES", "")),
         "idle_memory_pageout": idle_memory_pageout(),
     }
