@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.corpus import load_corpus
-from benchmarks.machine import machine_info
+from benchmarks.machine import cpu_seconds, machine_info, others_cpu
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.runs import engine_kwargs, started_engine
@@ -97,6 +98,9 @@ class BatchMeasurement:
     engine, no drafts): as ``paired_vs_target``, over that floor instead.
     Engine effects cancel: what is left is what the controller's decisions
     gained or cost."""
+    host_cpu: dict | None = None
+    """CPU the rest of the machine used during the call, in cores
+    (``machine.others_cpu``: ``others``, ``kdamond`` among them, ``steal``)."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -291,11 +295,14 @@ def _measured_run(args, llm, engine_config: str, config: str, passages: list[lis
     control0 = llm.collective_rpc(control_counts)[0]
     c0, t0 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
     b0 = llm.collective_rpc(read_step_breakdown)[0]
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
+    host_cpu = others_cpu(cpu0, cpu_seconds(), time.perf_counter() - wall0)
     c1, t1 = spec_counters(llm), llm.collective_rpc(read_timers)[0]
     b1 = llm.collective_rpc(read_step_breakdown)[0]
     m = _measure(config, len(passages), length, outputs, c0, c1, t0, t1)
     m.breakdown = breakdown_per_step(b0, b1)
+    m.host_cpu = host_cpu
     if m.breakdown["period"] > 0:
         # By the wall clock between decode steps, as a user waits for them.
         m.worker_tok_s = m.output_tok_s
@@ -363,8 +370,9 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
         "verify s/step | retrieval s/step | kept % | paused % | forced ms/step | "
-        "vs always paused | same as target | rounds tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "vs always paused | same as target | rounds tok/s | others' CPU % (kdamond) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
+        "---:|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -384,7 +392,7 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
             f"{fmt(paused_percent(m.control), '.0f')} | {fmt(forced_ms_per_step(m), '.1f')} | "
             f"{fmt(m.paired_vs_always_paused)}{'x' if m.paired_vs_always_paused else ''} | "
-            f"{same} | {rounds_cell(m)} |"
+            f"{same} | {rounds_cell(m)} | {others_cell(m.host_cpu)} |"
         )
     return "\n".join(lines)
 
@@ -406,6 +414,15 @@ def vs_target(m: BatchMeasurement, target: BatchMeasurement | None) -> float | N
     if m.paired_vs_target is not None:
         return m.paired_vs_target
     return m.output_tok_s / target.output_tok_s if target else None
+
+
+def others_cell(host_cpu: dict | None) -> str:
+    """The rest of the machine's CPU during the run, in % of one core, with
+    DAMON's kdamond share in parentheses where it ran."""
+    if not host_cpu:
+        return "-"
+    kdamond = f" ({100 * host_cpu['kdamond']:.0f})" if host_cpu["kdamond"] else ""
+    return f"{100 * host_cpu['others']:.0f}{kdamond}"
 
 
 def rounds_cell(m: BatchMeasurement) -> str:

@@ -70,6 +70,65 @@ def idle_memory_pageout(admin: Path = DAMON_ADMIN) -> bool:
     return False
 
 
+PROC = Path("/proc")
+CPU_STAT_BUSY = (0, 1, 2, 5, 6)
+"""user, nice, system, irq, softirq of ``/proc/stat``'s ``cpu`` line (guest
+time is inside user); idle, iowait and steal are not busy."""
+CPU_STAT_STEAL = 7
+
+
+def cpu_seconds(proc: Path = PROC, admin: Path = DAMON_ADMIN,
+                root_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds spent so far on the whole machine (``busy``), by this
+    process (``root_pid``) and its descendants (``ours``: the engines), by
+    DAMON's kdamond threads, and taken by the hypervisor (``steal``).
+    Differences around a timed call tell whether something else ran on the
+    cores meanwhile."""
+    hertz = os.sysconf("SC_CLK_TCK")
+    fields = (proc / "stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    parents, used = {}, {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # ended meanwhile
+        rest = text[text.rindex(")") + 2:].split()
+        pid = int(stat.parent.name)
+        parents[pid] = int(rest[1])
+        used[pid] = int(rest[11]) + int(rest[12])  # utime + stime
+    ours = {os.getpid() if root_pid is None else root_pid}
+    grown = True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in ours} - ours
+        ours |= children
+        grown = bool(children)
+    kdamonds = set()
+    for pid_file in admin.glob("*/pid"):
+        try:
+            kdamonds.add(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            pass
+    return {
+        "busy": sum(ticks[i] for i in CPU_STAT_BUSY) / hertz,
+        "steal": ticks[CPU_STAT_STEAL] / hertz,
+        "ours": sum(used.get(pid, 0) for pid in ours) / hertz,
+        "kdamond": sum(used.get(pid, 0) for pid in kdamonds) / hertz,
+    }
+
+
+def others_cpu(before: dict[str, float], after: dict[str, float],
+               wall_s: float) -> dict[str, float]:
+    """Between two :func:`cpu_seconds`: CPU seconds per wall second (1.0 is
+    one core) spent outside this process tree (``others``: kernel threads,
+    agents, other programs), by kdamond among them, and stolen."""
+    delta = {key: after[key] - before[key] for key in after}
+    per_second = (lambda seconds: seconds / wall_s) if wall_s > 0 else (lambda seconds: 0.0)
+    return {"others": per_second(max(delta["busy"] - delta["ours"], 0.0)),
+            "kdamond": per_second(delta["kdamond"]),
+            "steal": per_second(delta["steal"])}
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     import vllm

@@ -153,7 +153,8 @@ def test_cost_model_joins_the_folders_of_one_grid(batch_results, tmp_path):
     assert "No limit" in (tmp_path / "long" / "cost_model.md").read_text()
 
     run_module("benchmarks.cost_model", "--results", str(batch_results))
-    run_module("benchmarks.cost_model", "--results", str(tmp_path / "long"), str(tmp_path / "short"))
+    run_module("benchmarks.cost_model", "--results", str(tmp_path / "long"),
+               str(tmp_path / "short"))
     joined = json.loads((tmp_path / "long" / "cost_model.json").read_text())
     whole = json.loads((batch_results / "cost_model.json").read_text())
     assert joined["cpu_limits"] == whole["cpu_limits"] != []
@@ -341,6 +342,38 @@ def test_benchmarks_see_a_running_damon_pageout_scheme(tmp_path):
     (tmp_path / "0" / "state").write_text("on\n")
     (scheme / "action").write_text("stat\n")
     assert not idle_memory_pageout(tmp_path)
+
+
+def _fake_proc(root, busy_ticks, steal_ticks, processes):
+    """A /proc with its ``stat`` and one ``PID/stat`` per (pid, ppid, ticks)."""
+    (root / "stat").write_text(f"cpu  {busy_ticks} 0 0 500 7 0 0 {steal_ticks} 0 0\ncpu0 1\n")
+    for pid, ppid, ticks in processes:
+        (root / str(pid)).mkdir(exist_ok=True)
+        (root / str(pid) / "stat").write_text(
+            f"{pid} (a (b) c) S {ppid} 0 0 0 0 0 0 0 0 0 {ticks} 0 0 0\n")
+
+
+def test_benchmarks_count_cpu_taken_by_the_rest_of_the_machine(tmp_path):
+    import os
+
+    from benchmarks.machine import cpu_seconds, others_cpu
+
+    hertz = os.sysconf("SC_CLK_TCK")
+    proc, admin = tmp_path / "proc", tmp_path / "damon"
+    proc.mkdir()
+    (admin / "0").mkdir(parents=True)
+    (admin / "0" / "pid").write_text("77\n")
+    # 10 (us), its engine 11 and the engine's child 12; 77 kdamond; 20 another program.
+    tree = [(10, 1, 0), (11, 10, 0), (12, 11, 0), (77, 2, 0), (20, 1, 0)]
+    _fake_proc(proc, 0, 0, tree)
+    before = cpu_seconds(proc, admin, root_pid=10)
+    grown = [(10, 1, hertz), (11, 10, 2 * hertz), (12, 11, hertz), (77, 2, hertz // 2),
+             (20, 1, hertz)]
+    _fake_proc(proc, 6 * hertz, hertz, grown)
+    after = cpu_seconds(proc, admin, root_pid=10)
+    assert after["ours"] - before["ours"] == 4.0
+    assert others_cpu(before, after, wall_s=2.0) == {"others": 1.0, "kdamond": 0.25,
+                                                     "steal": 0.5}
 
 
 def test_huge_pages_report_names_each_buffer_and_the_spread(tmp_path):
