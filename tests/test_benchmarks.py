@@ -356,6 +356,7 @@ def _fake_proc(root, busy_ticks, steal_ticks, processes):
 def test_benchmarks_count_cpu_taken_by_the_rest_of_the_machine(tmp_path):
     import os
 
+    from benchmarks.batch import others_cell
     from benchmarks.machine import cpu_seconds, others_cpu
 
     hertz = os.sysconf("SC_CLK_TCK")
@@ -374,6 +375,10 @@ def test_benchmarks_count_cpu_taken_by_the_rest_of_the_machine(tmp_path):
     assert after["ours"] - before["ours"] == 4.0
     assert others_cpu(before, after, wall_s=2.0) == {"others": 1.0, "kdamond": 0.25,
                                                      "steal": 0.5}
+    # The batch table's column: % of one core, kdamond's share in parentheses.
+    assert others_cell(others_cpu(before, after, wall_s=2.0)) == "100 (25)"
+    assert others_cell({"others": 0.02, "kdamond": 0.0, "steal": 0.0}) == "2"
+    assert others_cell(None) == "-"
 
 
 def test_huge_pages_report_names_each_buffer_and_the_spread(tmp_path):
