@@ -309,8 +309,9 @@ def main(argv=None) -> None:
         args.max_tokens = args.soak_tokens
     machine = machine_info()
     if machine["idle_memory_pageout"]:
-        print("warning: this machine pages out memory left idle (DAMON pageout); engines that "
-              "wait their turn slow down. As root, pause it for the run: echo off > "
+        print("warning: this machine pages out memory left idle (DAMON pageout); its kdamond "
+              "runs beside the engines (batch tables: others' CPU %). To rule it out, as root "
+              "pause it for the run: echo off > "
               "/sys/kernel/mm/damon/admin/kdamonds/<N>/state (see benchmarks/machine.py)",
               file=sys.stderr)
     window = f" (window {args.draft_window})" if args.draft_window else ""

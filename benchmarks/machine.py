@@ -54,10 +54,10 @@ DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 def idle_memory_pageout(admin: Path = DAMON_ADMIN) -> bool:
     """Whether the kernel pages out memory left idle (a running DAMON
     ``pageout`` scheme, as some VMs run to hand memory back to their host).
-    An engine waiting its turn in ``--rounds`` runs is such memory: on our
-    2-core VM the paused engine ran 0.94x the target alone at batch 1 x 4K
-    with it on and 1.01x with it off (``results/goodput-grid-4k-no-pageout``).
-    Pause it for a run as root: ``echo off > <kdamond>/state``."""
+    Its filters decide what it may take: on our Zen 4 VM only file cache no
+    process maps, never an engine's memory; its kdamond's CPU is what
+    :func:`cpu_seconds` counts. Pause it for a run as root:
+    ``echo off > <kdamond>/state``."""
     try:
         for kdamond in admin.iterdir():
             if not kdamond.name.isdigit() or (kdamond / "state").read_text().strip() != "on":
