@@ -103,7 +103,7 @@ CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "target_v1": "sil
                  "draft_model": "tab:blue",
                  "cmr": "tab:red", "streaming": "tab:green", "draft_model_full": "tab:purple",
                  "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
-                 "goodput": "tab:cyan", "always_paused": "lightseagreen",
+                 "goodput": "tab:cyan", "always_paused": "mediumvioletred",
                  "cmr_every_16": "tab:pink", "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
                  "eagle3_sliding": "darkkhaki", "alone": "dimgray", "private": "firebrick",
                  "in_place": "sandybrown", "unshared": "steelblue"}
@@ -126,8 +126,8 @@ def pyplot():
 
 def save_figure(fig, path: Path, title: str | None = None) -> None:
     if title:
-        # About 12 characters per inch of figure at the default font size.
-        fig.suptitle(textwrap.fill(title, int(12 * fig.get_figwidth())))
+        # About 10 characters per inch of figure at the suptitle's font size.
+        fig.suptitle(textwrap.fill(title, int(10 * fig.get_figwidth())))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
