@@ -35,7 +35,7 @@ from benchmarks.machine import (
     machine_info,
 )
 from benchmarks.needle import run_needle, write_needle
-from benchmarks.report import LOCAL_RESULTS_DIR, record_run
+from benchmarks.report import LOCAL_RESULTS_DIR, git_commit, record_run
 from benchmarks.runs import run_benchmark, write_results
 from benchmarks.sweep import run_sweep, write_sweep
 
@@ -320,10 +320,10 @@ def main(argv=None) -> None:
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_model']}, {machine['cpu_capability']}"
              f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")
-    started = time.time()
+    started, commit = time.time(), git_commit()  # the code that runs, not HEAD at its end
     table, files = run_mode(args, out_dir, title)
     record_run(out_dir, mode=args.mode, description=MODES[args.mode], command=command,
-               title=title, machine=machine, dtype=args.dtype, started=started)
+               title=title, machine=machine, dtype=args.dtype, started=started, commit=commit)
     print(table)
     print(f"\nresults: {out_dir}/{files} and README.md")
 

@@ -72,10 +72,11 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def record_run(out_dir: Path, *, mode: str, description: str, command: str, title: str,
-               machine: dict[str, Any], dtype: str, started: float) -> None:
+               machine: dict[str, Any], dtype: str, started: float,
+               commit: str | None = None) -> None:
     """Write the run's README.md and sign every table it wrote with its
-    command and commit."""
-    commit = git_commit()
+    command and commit (``commit``: read when the run started; default now)."""
+    commit = commit or git_commit()
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     minutes = (time.time() - started) / 60
     signature = f"Command: `{command}` · commit {commit} · {date}"

@@ -72,6 +72,13 @@ def test_a_run_records_its_command_and_commit(tmp_path):
         assert expected in readme
     table = (tmp_path / "results.md").read_text()
     assert f"`python -m benchmarks --batch-sizes 1` · commit {commit}" in table
+    # A run signs with the commit it started from, even if HEAD moved meanwhile.
+    (tmp_path / "results.md").write_text("| a |\n|---|\n| 1 |\n")
+    record_run(tmp_path, mode="batch", description=MODES["batch"], command="python -m benchmarks",
+               title="tiny", machine=machine, dtype="float32", started=started,
+               commit="abc1234 with uncommitted changes")
+    assert "- commit: abc1234 with uncommitted changes\n" in (tmp_path / "README.md").read_text()
+    assert "· commit abc1234 with uncommitted changes" in (tmp_path / "results.md").read_text()
 
 
 def test_missing_ratios_print_as_a_dash():
