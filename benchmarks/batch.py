@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.corpus import load_corpus
-from benchmarks.machine import cpu_seconds, machine_info, others_cpu
+from benchmarks.machine import cpu_seconds, huge_page_share, machine_info, others_cpu
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.runs import engine_kwargs, started_engine
@@ -45,6 +45,7 @@ from benchmarks.worker_hooks import (
     reconfigure_drafter,
     run_deltas,
     spec_counters,
+    worker_pid,
 )
 
 BATCH_CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
@@ -101,6 +102,9 @@ class BatchMeasurement:
     host_cpu: dict | None = None
     """CPU the rest of the machine used during the call, in cores
     (``machine.others_cpu``: ``others``, ``kdamond`` among them, ``steal``)."""
+    huge_pages: float | None = None
+    """Share of the engine worker's anonymous memory on huge pages after the
+    call (``machine.huge_page_share``)."""
 
 
 def _measure(config, batch_size, length, outputs, c0, c1, t0, t1) -> BatchMeasurement:
@@ -303,6 +307,7 @@ def _measured_run(args, llm, engine_config: str, config: str, passages: list[lis
     m = _measure(config, len(passages), length, outputs, c0, c1, t0, t1)
     m.breakdown = breakdown_per_step(b0, b1)
     m.host_cpu = host_cpu
+    m.huge_pages = huge_page_share(llm.collective_rpc(worker_pid)[0])
     if m.breakdown["period"] > 0:
         # By the wall clock between decode steps, as a user waits for them.
         m.worker_tok_s = m.output_tok_s
@@ -370,9 +375,10 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         "| config | batch | context | output tok/s | vs draft_model | vs target | "
         "mean acc. len | acc. vs draft_model | drafted / output tokens | draft s/step | "
         "verify s/step | retrieval s/step | kept % | paused % | forced ms/step | "
-        "vs always paused | same as target | rounds tok/s | others' CPU % (kdamond) |",
+        "vs always paused | same as target | rounds tok/s | others' CPU % (kdamond) | "
+        "huge pages % |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
-        "---:|",
+        "---:|---:|",
     ]
     by_key = {(m.config, m.batch_size, m.context_tokens): m for m in measurements}
     for m in sorted(measurements, key=lambda m: (m.context_tokens, m.batch_size)):
@@ -392,7 +398,8 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
             f"{fmt(None if m.kept_fraction is None else 100 * m.kept_fraction, '.1f')} | "
             f"{fmt(paused_percent(m.control), '.0f')} | {fmt(forced_ms_per_step(m), '.1f')} | "
             f"{fmt(m.paired_vs_always_paused)}{'x' if m.paired_vs_always_paused else ''} | "
-            f"{same} | {rounds_cell(m)} | {others_cell(m.host_cpu)} |"
+            f"{same} | {rounds_cell(m)} | {others_cell(m.host_cpu)} | "
+            f"{fmt(None if m.huge_pages is None else 100 * m.huge_pages, '.0f')} |"
         )
     return "\n".join(lines)
 

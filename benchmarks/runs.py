@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarks.corpus import load_corpus
-from benchmarks.machine import machine_info
+from benchmarks.machine import HUGE_PAGES_FOR_TORCH, free_memory_for_huge_pages, machine_info
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
 from benchmarks.worker_hooks import install_timers, read_timers, run_deltas, spec_counters
@@ -73,9 +74,12 @@ def engine_max_model_len(args) -> int:
 @contextlib.contextmanager
 def started_engine(**kwargs) -> Iterator[Any]:
     """A vLLM ``LLM`` for the block; its engine core (processes, memory) shuts
-    down when the block ends, so the next configuration's engine fits."""
+    down when the block ends, so the next configuration's engine fits. With
+    the benchmarks' huge pages on, memory is freed for them first (root)."""
     from vllm import LLM
 
+    if os.environ.get(HUGE_PAGES_FOR_TORCH) == "1":
+        free_memory_for_huge_pages()
     llm = LLM(**kwargs)
     try:
         yield llm

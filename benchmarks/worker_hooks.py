@@ -51,6 +51,10 @@ def install_timers(worker) -> None:
             timed(retrieval, "plan", "retrieval")
 
 
+def worker_pid(worker) -> int:
+    return os.getpid()
+
+
 def read_timers(worker) -> dict[str, Any]:
     runner = worker.model_runner
     timers = dict(runner._bench_timers)

@@ -381,6 +381,25 @@ def test_benchmarks_count_cpu_taken_by_the_rest_of_the_machine(tmp_path):
     assert others_cell(None) == "-"
 
 
+def test_benchmarks_read_an_engines_huge_page_share_and_free_memory_for_it(tmp_path):
+    from benchmarks.machine import free_memory_for_huge_pages, huge_page_share
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "smaps_rollup").write_text(
+        "00400000-7fff0000 ---p 00000000 00:00 0    [rollup]\n"
+        "Rss:            10485760 kB\nAnonymous:       8388608 kB\n"
+        "AnonHugePages:   6291456 kB\nShmemPmdMapped:        0 kB\n")
+    assert huge_page_share(42, proc=tmp_path) == 0.75
+    assert huge_page_share(43, proc=tmp_path) is None  # ended or not ours to read
+
+    sysctl = tmp_path / "vm"
+    assert not free_memory_for_huge_pages(sysctl)  # not writable here: nothing done
+    sysctl.mkdir()
+    assert free_memory_for_huge_pages(sysctl)
+    assert (sysctl / "drop_caches").read_text() == "1"  # clean page cache only
+    assert (sysctl / "compact_memory").read_text() == "1"
+
+
 def test_huge_pages_report_names_each_buffer_and_the_spread(tmp_path):
     from argparse import Namespace
 
