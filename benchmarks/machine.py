@@ -134,7 +134,7 @@ def huge_page_share(pid: int, proc: Path = PROC) -> float | None:
     KV cache, buffers) on transparent huge pages; None where unreadable.
     Below 1 where the kernel could not find 2 MiB of contiguous memory when
     it was touched: on a full 24 GiB VM the second engine of a run got 81%
-    and read its weights slower (``results/goodput-grid-zen4``)."""
+    and read its weights slower (``results/goodput-grid-zen4-fragmented``)."""
     try:
         text = (proc / str(pid) / "smaps_rollup").read_text()
     except OSError:

@@ -52,6 +52,7 @@ def install_timers(worker) -> None:
 
 
 def worker_pid(worker) -> int:
+    """The worker process (its memory: ``machine.huge_page_share``)."""
     return os.getpid()
 
 
