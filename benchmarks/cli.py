@@ -320,7 +320,7 @@ def main(argv=None) -> None:
              f"K={args.k}, {args.max_tokens} greedy tokens, {machine['cpu_count']} CPU cores "
              f"({machine['cpu_model']}, {machine['cpu_capability']}"
              f"{''.join(', ' + f for f in machine['cpu_bf16_flags'])})")
-    started, commit = time.time(), git_commit()  # the code that runs, not HEAD at its end
+    started, commit = time.time(), git_commit()
     table, files = run_mode(args, out_dir, title)
     record_run(out_dir, mode=args.mode, description=MODES[args.mode], command=command,
                title=title, machine=machine, dtype=args.dtype, started=started, commit=commit)

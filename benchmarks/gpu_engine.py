@@ -32,6 +32,7 @@ from benchmarks.report import (
     config_color,
     fmt,
     fmt_ratio,
+    git_commit,
     pyplot,
     record_run,
     save_figure,
@@ -157,7 +158,8 @@ def summarize(record: dict) -> dict:
             "median_all_steps": median}
 
 
-def write_report(rows: list[dict], out_dir: Path, args, started: float) -> None:
+def write_report(rows: list[dict], out_dir: Path, args, started: float,
+                 commit: str) -> None:
     from benchmarks.machine import machine_info
 
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
@@ -195,7 +197,7 @@ def write_report(rows: list[dict], out_dir: Path, args, started: float) -> None:
         "target and a 1B-shaped draft_model, K = 4, drafting forced"),
         command="python -m benchmarks.gpu_engine " + " ".join(sys.argv[1:]),
         title=json.dumps(args_record(args)), machine=machine_info(), dtype="bfloat16",
-        started=started)
+        started=started, commit=commit)
 
 
 def main() -> None:
@@ -218,7 +220,7 @@ def main() -> None:
         config, graphs, batch, context, out = args.one
         run_one(config, graphs, int(batch), int(context), Path(out))
         return
-    started = time.time()
+    started, commit = time.time(), git_commit()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "mrv2" else "0"
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -238,7 +240,7 @@ def main() -> None:
                     rows.append({"config": config, "graphs": graphs, "batch": batch,
                                  "context": context, "error": repr(error)})
                 print(f"[gpu_engine] {rows[-1]}", flush=True)
-    write_report(rows, args.out, args, started)
+    write_report(rows, args.out, args, started, commit)
 
 
 if __name__ == "__main__":

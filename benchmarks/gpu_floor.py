@@ -44,6 +44,7 @@ from benchmarks.report import (
     config_color,
     fmt,
     fmt_ratio,
+    git_commit,
     pyplot,
     record_run,
     save_figure,
@@ -211,7 +212,8 @@ def write_tables(records: list[dict], out_dir: Path) -> None:
     save_figure(fig, out_dir / "results.png", "Goodput control's floor on a GPU, random weights")
 
 
-def write_report(records: list[dict], out_dir: Path, args, started: float) -> None:
+def write_report(records: list[dict], out_dir: Path, args, started: float,
+                 commit: str) -> None:
     from benchmarks.machine import machine_info
 
     write_tables(records, out_dir)
@@ -228,7 +230,7 @@ def write_report(records: list[dict], out_dir: Path, args, started: float) -> No
         "draft_model, K = 4, prefix-cached prompts"),
         command="python -m benchmarks.gpu_floor " + " ".join(sys.argv[1:]),
         title=json.dumps(args_record(args)), machine=machine, dtype="bfloat16",
-        started=started)
+        started=started, commit=commit)
 
 
 def main() -> None:
@@ -258,7 +260,7 @@ def main() -> None:
         run_one(args.one[0], shapes, args.graphs, args.rounds, args.max_tokens, args.tiny,
                 Path(args.one[1]))
         return
-    started = time.time()
+    started, commit = time.time(), git_commit()
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     for config in args.configs:
@@ -274,7 +276,7 @@ def main() -> None:
             out.unlink()
         except (subprocess.SubprocessError, OSError) as error:
             records.append({"config": config, "error": repr(error)})
-        write_report(records, args.out, args, started)
+        write_report(records, args.out, args, started, commit)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import machine_info
-from benchmarks.report import config_color, pyplot, record_run, save_figure
+from benchmarks.report import config_color, git_commit, pyplot, record_run, save_figure
 
 RETRIEVE_EVERY_STEP = {"top_k_chunks": 2, "sink_tokens": 32, "recent_tokens": 256,
                        "min_context_tokens": 512, "retrieval_interval": 1}
@@ -68,7 +68,7 @@ def measure(rounds: int, max_tokens: int) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], out: Path, command: str, started: float) -> None:
+def write(rows: list[dict], out: Path, command: str, started: float, commit: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     title = (f"tiny Llama target + 512-position draft at compact positions, fp32, "
              f"{len(PROMPT_LENGTHS)} prompts of 2.0K-3.8K tokens a round, retrieval every step")
@@ -90,7 +90,7 @@ def write(rows: list[dict], out: Path, command: str, started: float) -> None:
     save_figure(fig, out / "results.png", "Worker memory over many retrievals")
     record_run(out, mode="memory_flat", description="worker memory over many retrievals",
                command=command, title=title, machine=machine_info(), dtype="float32",
-               started=started)
+               started=started, commit=commit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results-local/memory-flat"),
                         help="output folder")
     args = parser.parse_args(argv)
-    started = time.time()
+    started, commit = time.time(), git_commit()
     rows = measure(args.rounds, args.max_tokens)
-    write(rows, args.out, "python -m benchmarks.memory_flat " + shlex.join(sys.argv[1:]), started)
+    write(rows, args.out, "python -m benchmarks.memory_flat " + shlex.join(sys.argv[1:]), started,
+          commit)
 
 
 if __name__ == "__main__":

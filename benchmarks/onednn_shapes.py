@@ -24,7 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.machine import fast_dtype, machine_info
-from benchmarks.report import LOCAL_RESULTS_DIR, config_color, pyplot, record_run, save_figure
+from benchmarks.report import (
+    LOCAL_RESULTS_DIR,
+    config_color,
+    git_commit,
+    pyplot,
+    record_run,
+    save_figure,
+)
 
 ROW_COUNTS = (5, 9, 13, 17, 24, 33, 48, 65, 96, 129)
 """New row counts, after a warm-up at 4 (a paused decode step of batch 4)."""
@@ -131,14 +138,14 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=LOCAL_RESULTS_DIR / "onednn-shapes")
     args = parser.parse_args(argv)
     dtypes = args.dtype or sorted({"float32", fast_dtype()})
-    started = time.time()
+    started, commit = time.time(), git_commit()
     costs = [c for model in MODELS for dtype in dtypes for c in measure(model, dtype)]
     table = write(costs, args.out)
     command = shlex.join(["python", "-m", "benchmarks.onednn_shapes",
                           *(sys.argv[1:] if argv is None else argv)])
     record_run(args.out, mode="onednn-shapes", description=__doc__.split("\n\n")[0],
                command=command, title=", ".join(m.name for m in MODELS), machine=machine_info(),
-               dtype=" and ".join(dtypes), started=started)
+               dtype=" and ".join(dtypes), started=started, commit=commit)
     print(table)
 
 

@@ -72,11 +72,10 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def record_run(out_dir: Path, *, mode: str, description: str, command: str, title: str,
-               machine: dict[str, Any], dtype: str, started: float,
-               commit: str | None = None) -> None:
+               machine: dict[str, Any], dtype: str, started: float, commit: str) -> None:
     """Write the run's README.md and sign every table it wrote with its
-    command and commit (``commit``: read when the run started; default now)."""
-    commit = commit or git_commit()
+    command and commit (``started``, ``commit``: read when the run started,
+    :func:`git_commit`, so a run that outlives a commit names the code it ran)."""
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     minutes = (time.time() - started) / 60
     signature = f"Command: `{command}` · commit {commit} · {date}"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from benchmarks.cli import MODES, build_parser, parse_args
-from benchmarks.report import LOCAL_RESULTS_DIR, REPO_ROOT, fmt_ratio, record_run
+from benchmarks.report import LOCAL_RESULTS_DIR, REPO_ROOT, fmt_ratio, git_commit, record_run
 
 
 @pytest.mark.parametrize("argv, mode", [
@@ -62,7 +62,7 @@ def test_a_run_records_its_command_and_commit(tmp_path):
                "cpu_bf16_flags": [], "cuda": False, "vllm": "0.32.0", "torch": "2.13.0"}
     record_run(tmp_path, mode="batch", description=MODES["batch"],
                command="python -m benchmarks --batch-sizes 1", title="tiny",
-               machine=machine, dtype="float32", started=started)
+               machine=machine, dtype="float32", started=started, commit=git_commit())
     readme = (tmp_path / "README.md").read_text()
     commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
