@@ -188,10 +188,14 @@ class SimulatedEngine:
     would show them to the controller."""
 
     def __init__(self, controller, acceptance, step=0.05, per_token=0.005, draft_step=0.01,
-                 step_seconds=None, catch_up=0.0):
+                 step_seconds=None, catch_up=0.0, long_catch_up=(0, 0.0)):
         """``step_seconds``: seconds of a step by its number of draft steps
         (instead of the linear costs); ``catch_up``: seconds per token a
-        draft forward catches up (tokens verified while it paused)."""
+        draft forward catches up (tokens verified while it paused);
+        ``long_catch_up``: ``(tokens, seconds)``, each token a step catches
+        up beyond ``tokens`` costs ``seconds`` more (a CPU draft's forward
+        turning compute-bound)."""
+        self.long_catch_up = long_catch_up
         self.controller = controller
         self.step_seconds = step_seconds
         self.acceptance = dict(acceptance)  # request -> acceptance per position
@@ -216,6 +220,7 @@ class SimulatedEngine:
         else:
             self.now += step + per_token * query.sum() + draft_step * self.draft_forwards
         self.now += catch_up * self.caught_up
+        self.now += self.long_catch_up[1] * max(self.caught_up - self.long_catch_up[0], 0)
         for r in req_ids:
             self.gap.setdefault(r, 0)
         gaps = np.array([max(self.gap[r], 0) for r in req_ids])
@@ -387,31 +392,69 @@ def test_a_paused_request_at_batch_1_is_probed_within_its_budget():
     assert engine.caught_up <= K + 1
 
 
-def test_a_request_whose_draft_lacks_its_prompt_is_probed_with_all_of_it():
-    # Batch 1 as above. "a" pauses; its probes time a catch-up. Then "b"
-    # arrives without its prompt in the draft (deferred: 200 tokens behind)
-    # while its drafts would agree. A probe catching up only recent tokens
-    # would read a draft without the prompt: "b" is probed once its budget
-    # covers all of its gap, and it catches all of it up.
-    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True)
+def deferred_prompt_engine(gap, growth=ControlParameters.catch_up_growth, long_catch_up=(0, 0.0),
+                           started=None):
+    """Batch 1: "a" pauses for 400 steps, its probes timing catch-ups (up to
+    74 tokens). Then "b" arrives without its prompt in the draft (deferred:
+    ``gap`` tokens behind) while its drafts would agree (``long_catch_up``:
+    :class:`SimulatedEngine`'s). Returns the engine and each of b's draft
+    forwards: (tokens caught up, gap before); ``started``: a list the clock
+    at b's arrival is appended to."""
+    controller = GoodputController(max_num_reqs=2, num_speculative_tokens=K, free_pause=True,
+                                   parameters=ControlParameters(catch_up_growth=growth))
     engine = SimulatedEngine(controller, {"a": 0.0}, step=0.056, per_token=0.004,
-                             draft_step=0.024, catch_up=0.0005)
-    for _ in range(100):
+                             draft_step=0.024, catch_up=0.0005, long_catch_up=long_catch_up)
+    for _ in range(400):
         engine.step()
     assert controller.stats.probes > 0
+    assert controller.cost.most_catch_up_timed == 74 or growth != ControlParameters.catch_up_growth
     del engine.acceptance["a"]
     engine.acceptance["b"] = 1.0
-    engine.context["b"], engine.query["b"], engine.gap["b"] = 1200, 1, 200
+    engine.context["b"], engine.query["b"], engine.gap["b"] = 1200 + gap, 1, gap
     engine.whole.add("b")
-    caught_up = []
+    if started is not None:
+        started.append(engine.now)
+    drafted = []
     for _ in range(600):
         gap = engine.gap["b"]
         engine.step()
         if engine.draft_forwards:
-            caught_up.append((engine.caught_up, gap))
-    first_catch_up, gap = caught_up[0]
-    assert first_catch_up == gap > 200
+            drafted.append((engine.caught_up, gap))
+    return engine, drafted
+
+
+def test_a_request_whose_draft_lacks_its_prompt_is_probed_with_all_of_it():
+    # A probe catching up only recent tokens would read a draft without the
+    # prompt: "b" is probed once its budget covers all of its gap (40
+    # tokens and those verified meanwhile, within twice the 74 timed), and it
+    # catches all of it up.
+    engine, drafted = deferred_prompt_engine(40)
+    first_catch_up, gap = drafted[0]
+    assert first_catch_up == gap > 40
     assert [h["b"] for h in engine.history[-10:]] == [K] * 10
+
+
+@pytest.mark.parametrize("growth", [ControlParameters.catch_up_growth, 10**9])
+def test_no_catch_up_far_longer_than_any_timed_is_priced_as_those_timed(growth):
+    # Issue #45's 8 x 4K point: a deferred prompt was caught up at the
+    # per-token price learnt on short catch-ups (seconds, priced at
+    # milliseconds); here a catch-up beyond 80 tokens costs 5 ms a token
+    # more (compute-bound). Within the catch-up range (twice the 74 tokens
+    # timed) "b" (4,000 tokens behind) is neither probed nor resumed on
+    # its estimates (beyond the range a token is priced as a verified one):
+    # the 600 steps cost what paused ones do. Without the range (growth
+    # unbounded) it resumes, and that one step costs 20 s.
+    start = []
+    engine, drafted = deferred_prompt_engine(4000, growth, long_catch_up=(80, 0.005),
+                                             started=start)
+    seconds = engine.now - start[0]
+    if growth == ControlParameters.catch_up_growth:
+        assert drafted == []
+        assert seconds < 1.03 * 600 * 0.060  # a paused step: 56 ms + one token's 4
+    else:
+        first_catch_up, gap = drafted[0]
+        assert first_catch_up == gap >= 4000
+        assert seconds > 600 * 0.060 + 19.0
 
 
 def test_one_slow_step_does_not_price_a_number_of_draft_steps_out():
@@ -440,6 +483,38 @@ def test_one_slow_step_does_not_price_a_number_of_draft_steps_out():
     step(2, 0.400)
     # Unclipped, this one step raised the prediction by 40% (12% now).
     assert float(controller.cost.predict(two_steps)) <= 1.15 * before
+
+
+def test_a_catch_up_longer_than_any_timed_is_learnt_not_dropped_as_a_stall():
+    # Catch-ups of 8 tokens cost 1 ms a token; one of 400 costs 10x its
+    # prediction (a compute-bound draft forward). A stall of a kind seen
+    # lately would be dropped; a catch-up that long was never timed: learnt.
+    model = StepCostModel(max_draft_steps=K)
+    for index in range(40):
+        catch_up = 8 if index % 4 == 0 else 0
+        model.observe_step(model.features(4, 1, catch_up), 0.1 + 0.02 + 0.001 * catch_up, 4.0, 1.5)
+    assert model.most_catch_up_timed == 8
+    long = model.features(4, 1, 400)
+    predicted = float(model.predict(long))
+    model.observe_step(long, 10 * predicted, 4.0, 1.5)
+    assert model.most_catch_up_timed == 400
+    assert float(model.predict(long)) > 3 * predicted
+
+
+def test_a_long_pause_holds_the_forced_credit_to_one_probe_interval():
+    # The account's credit is what one probe interval of paused plans earns:
+    # a call does not spend the credit of the calls before it (#45: a
+    # 48-token call's warm-up and probes spent 2.56 paused steps' credit).
+    controller = GoodputController(max_num_reqs=4, num_speculative_tokens=K, free_pause=True)
+    engine = SimulatedEngine(controller, {r: 0.0 for r in "abcd"})
+    most = 0.0
+    for _ in range(400):  # probes back off to 128 plans apart
+        engine.step()
+        most = max(most, controller.forced_account.balance)
+    paused_step = 0.05 + 0.005 * 4
+    assert controller.stats.probes > 0
+    assert most == pytest.approx(0.02 * paused_step * controller.parameters.probe_interval,
+                                 rel=0.05)
 
 
 def test_drafting_stops_when_it_does_not_pay_for_anybody():

@@ -239,6 +239,10 @@ class StepCostModel:
         self.catch_up_timed = False
         """Whether a step with caught-up tokens was timed (until then a
         caught-up token is priced as a verified one)."""
+        self.most_catch_up_timed = 0
+        """The most tokens a learnt step caught up: the price of a catch-up
+        holds for catch-ups about that long (a longer one can cost far more
+        per token: a CPU draft's forward turns compute-bound)."""
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         """Learn one step's cost (compiled, :func:`fit_step`)."""
@@ -254,8 +258,11 @@ class StepCostModel:
         that took ``stall_factor`` times its prediction is a stall (an idle
         engine), skipped; a slower one is learnt as ``slow_step_clip`` times
         its prediction at most. (A step of a kind not seen lately, a catch-up
-        or a number of draft steps, shows a cost the model has yet to learn.)"""
-        if self.observations >= 8 and self.knows(features):
+        or a number of draft steps, or a catch-up longer than any timed, shows
+        a cost the model has yet to learn.)"""
+        catch_up = int(features[NUM_LINEAR_FEATURES - 1])
+        if (self.observations >= 8 and self.knows(features)
+                and catch_up <= self.most_catch_up_timed):
             predicted = float(self.predict(features))
             if predicted > 0:
                 if seconds > stall_factor * predicted:
@@ -265,7 +272,8 @@ class StepCostModel:
                 # it can price a number of draft steps out for a whole run.
                 seconds = min(seconds, slow_step_clip * predicted)
         self.observe(features, seconds)
-        self.catch_up_timed |= bool(features[NUM_LINEAR_FEATURES - 1] > 0)
+        self.catch_up_timed |= catch_up > 0
+        self.most_catch_up_timed = max(self.most_catch_up_timed, catch_up)
 
     def catch_up_seconds(self) -> float:
         """Seconds per caught-up token: learnt once a catch-up was timed, at
@@ -286,7 +294,7 @@ class StepCostModel:
     def kernel_args(self) -> StepCosts:
         """What a compiled loop prices a step with."""
         return StepCosts(floats(self.weights), int(self.max_draft_steps), bool(self.piecewise_step),
-                         bool(self.catch_up_timed))
+                         bool(self.catch_up_timed), int(self.most_catch_up_timed))
 
     def knows(self, features: np.ndarray) -> bool:
         """Whether recent steps showed every feature ``features`` has (about

@@ -29,9 +29,14 @@ class ForcedDraftAccount:
     forced drafts measured beyond their predicted step without drafts."""
 
     def __init__(self, probe_budget: float, most_paused_plans: int) -> None:
-        """``most_paused_plans``: the credit is held to what one request may
-        accrue before its slowest probe (``max_probe_backoff`` x
-        ``probe_interval`` plans), so a long pause buys no burst."""
+        """``most_paused_plans``: the credit is held to that many plans'
+        (the controller's: one ``probe_interval``), so a long pause buys no
+        burst: what forced drafts cost beyond their price within any window
+        of plans is at most about that window's share and one step's excess.
+        (Held to ``max_probe_backoff`` x ``probe_interval`` plans, 128, a
+        48-token call spent the credit of the calls before it: 2.56 paused
+        steps, 5% of the call, #45.) A row's own budget still grows with its
+        pause: the account only stops forced drafts while in debt."""
         self.probe_budget = probe_budget
         self.most_paused_plans = most_paused_plans
         self.balance = 0.0

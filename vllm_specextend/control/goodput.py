@@ -149,9 +149,9 @@ class GoodputController:
         self._settings = PlanSettings(
             float(p.probe_budget), int(p.min_probe_catch_up), int(p.probe_interval),
             int(p.max_probe_backoff),
-            ChoiceSettings(float(p.hysteresis), float(p.pause_margin), bool(free_pause)))
-        self.forced_account = ForcedDraftAccount(p.probe_budget,
-                                                 p.max_probe_backoff * p.probe_interval)
+            ChoiceSettings(float(p.hysteresis), float(p.pause_margin), bool(free_pause)),
+            int(p.catch_up_growth))
+        self.forced_account = ForcedDraftAccount(p.probe_budget, p.probe_interval)
         self._arrival_probe_after = 0
         """Probe back-off of a new request: the latest probe's, until a
         request drafts on its estimates again (short requests would

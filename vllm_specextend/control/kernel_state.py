@@ -137,6 +137,8 @@ class StepCosts(NamedTuple):
     """The model has the ``piecewise_step`` feature (FULL CUDA graphs)."""
     catch_up_timed: bool
     """A step with caught-up tokens was timed (their price is learnt)."""
+    most_catch_up_timed: int
+    """The most tokens a learnt step caught up (``StepCostModel``)."""
 
 
 class CostFit(NamedTuple):
@@ -175,6 +177,9 @@ class PlanSettings(NamedTuple):
     probe_interval: int
     max_probe_backoff: int
     choice: ChoiceSettings
+    catch_up_growth: int = 2
+    """A forced draft catches up at most this many times the most tokens a
+    timed step caught up (``ControlParameters``)."""
 
 
 class StepShape(NamedTuple):

@@ -33,6 +33,14 @@ class ControlParameters:
     min_probe_catch_up: int = 8
     """Recent tokens a probe catches up at least (a probe waits until its
     budget covers them)."""
+    catch_up_growth: int = 2
+    """A forced draft (probe, exploration) catches up at most this many times
+    the most tokens a timed step caught up (``min_probe_catch_up`` at least):
+    the catch-up's price is learnt on the catch-ups timed, and a much longer
+    one can cost far more per token (a CPU draft's forward turns
+    compute-bound). A request whose forced drafts must catch up more (a
+    prompt the draft lacks) is not probed until catch-ups that long were
+    timed."""
     explore_interval: int = 64
     """Plans between two explorations (plans that depart from the choice so
     the cost model keeps seeing every number of draft steps)."""

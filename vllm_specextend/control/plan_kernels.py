@@ -24,7 +24,6 @@ from vllm_specextend.control.kernel_state import StepShape
 
 UNLIMITED = np.iinfo(np.int64).max
 """A catch-up limit that is none."""
-_MOST_AFFORDABLE = float(UNLIMITED // 2)
 _INT64_MIN = np.iinfo(np.int64).min
 
 
@@ -150,6 +149,18 @@ def affordable(budgets, least, weights, draft_steps, drafting, decoding, per_cat
 
 
 @compiled
+def forced_catch_up_range(costs, settings):
+    """The most tokens a forced draft may catch up: ``catch_up_growth``
+    times the most a timed step caught up, ``min_probe_catch_up`` at least.
+    A catch-up's price is learnt on the catch-ups timed; a much longer one
+    costs more per token than that where the draft's forward turns
+    compute-bound (a CPU's: on issue #45's Zen 4 a probe that caught up a
+    deferred 4K prompt took seconds, priced at milliseconds)."""
+    grown = settings.catch_up_growth * costs.most_catch_up_timed
+    return grown if grown > settings.min_probe_catch_up else settings.min_probe_catch_up
+
+
+@compiled
 def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step):
     """Per row, what forced drafts (probes, warm-up, exploration) may do,
     into ``scratch``: whether it probes, its least catch-up, paused plans
@@ -161,14 +172,17 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
     drafted (``budget_per_paused_step`` per paused plan, priced at this
     batch's predicted step without drafts). It catches up
     ``min_probe_catch_up`` tokens at least (all of its gap where it must
-    catch up a whole gap, then no budget until a catch-up was timed). Its
+    catch up a whole gap, then no budget until a catch-up was timed, nor
+    while its gap is beyond :func:`forced_catch_up_range`). Its
     resume seconds: what drafting on its estimates adds to its step,
     catching up its gap once, spread over as many steps as the request has
     decoded (at least a probe interval; it is expected to run about as long
-    again); a probe's catch-up is its budget's."""
+    again), a whole gap's tokens beyond :func:`forced_catch_up_range` at a
+    verified token's price; a probe's catch-up is its budget's."""
     slots, gaps, whole = step.slots, step.gaps, step.whole
     weights, timed = costs.weights, costs.catch_up_timed
     per_token, per_forced_token = catch_up_prices(weights, timed)
+    most_forced = forced_catch_up_range(costs, settings)
     least, paused, probe_after = scratch.least_catch_up, scratch.paused, scratch.probe_after
     budgets, resume, decoding = scratch.budget, scratch.resume, scratch.decoding
     min_catch_up, probe_interval = settings.min_probe_catch_up, settings.probe_interval
@@ -182,7 +196,7 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
         least[row] = min_catch_up
         if whole.shape[0] and whole[row]:
             least[row] = max(gaps[row], min_catch_up)
-            if not timed:
+            if not timed or least[row] > most_forced:
                 budgets[row] = 0.0  # its price unknown, a whole gap is not risked
         due[row] = decoding[row] and paused[row] >= (
             probe_after[row] if probe_after[row] != 0 else probe_interval)
@@ -196,15 +210,20 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
         if gaps.shape[0] and not scratch.probing[row]:
             horizon = max(requests.drafted_steps[slot] + requests.paused_decode_steps[slot],
                           probe_interval)
-            resume[row] = gaps[row] * per_token / horizon
+            # A whole gap (a prompt the draft lacks: thousands of tokens)
+            # beyond the range timed: a token there at a verified one's
+            # price (a draft's token costs no more than the target's).
+            within = min(gaps[row], most_forced) if whole.shape[0] and whole[row] else gaps[row]
+            resume[row] = (within * per_token + (gaps[row] - within) * weights[1]) / horizon
 
 
 @compiled
-def catch_up_limits(lengths, chosen, scratch, costs, per_catch_up):
+def catch_up_limits(lengths, chosen, scratch, costs, per_catch_up, most_forced):
     """Per row, the most tokens of its gap it catches up: all when drafting
     on its estimates, none when paused, and for forced drafts (probing, or
     none ``chosen`` on estimates) what its budget buys beyond them at
-    ``per_catch_up`` (0: unpriced), at least its least catch-up (only that
+    ``per_catch_up`` (0: unpriced), up to ``most_forced`` tokens
+    (:func:`forced_catch_up_range`), at least its least catch-up (only that
     until a catch-up was timed)."""
     rows = lengths.shape[0]
     probing, budgets, least = scratch.probing, scratch.budget, scratch.least_catch_up
@@ -216,7 +235,7 @@ def catch_up_limits(lengths, chosen, scratch, costs, per_catch_up):
         limits[row] = UNLIMITED if lengths[row] > 0 else 0
         forced[row] = (probing[row] or chosen[row] == 0) and lengths[row] > 0
         some |= forced[row]
-    if not some or (timed and not per_catch_up > 0):
+    if not some:
         return limits
     drafting = 0
     for row in range(rows):
@@ -225,10 +244,12 @@ def catch_up_limits(lengths, chosen, scratch, costs, per_catch_up):
         if forced[row] and not timed:
             limits[row] = least[row]
         elif forced[row]:
-            left = budgets[row] - forced_seconds(weights, lengths[row], drafting)
-            bought = np.floor(_clip_at_zero(left) / per_catch_up)
-            if not (bought <= _MOST_AFFORDABLE or bought != bought):
-                bought = _MOST_AFFORDABLE
+            bought = float(most_forced)  # a catch-up learnt free: the range
+            if per_catch_up > 0:
+                left = budgets[row] - forced_seconds(weights, lengths[row], drafting)
+                bought = np.floor(_clip_at_zero(left) / per_catch_up)
+            if not (bought <= most_forced or bought != bought):
+                bought = float(most_forced)
             limits[row] = max(_INT64_MIN if bought != bought else np.int64(bought), least[row])
     return limits
 
@@ -308,7 +329,8 @@ def settle_plan(slots, lengths, chosen, scratch, costs, requests, histogram, set
     (``chosen`` on estimates) in one call, from :func:`forced_rows`'s rows.
     Returns the limits and :func:`note_plan`'s counts."""
     per_forced_token = catch_up_prices(costs.weights, costs.catch_up_timed)[1]
-    limits = catch_up_limits(lengths, chosen, scratch, costs, per_forced_token)
+    limits = catch_up_limits(lengths, chosen, scratch, costs, per_forced_token,
+                             forced_catch_up_range(costs, settings))
     counts = note_plan(slots, lengths, chosen, scratch, requests, histogram, settings)
     return limits, counts
 
