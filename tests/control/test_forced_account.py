@@ -8,7 +8,7 @@ import pytest
 from vllm_specextend.control.forced_account import ForcedDraftAccount
 from vllm_specextend.control.kernel_state import ChoiceSettings, PlanSettings
 
-SETTINGS = PlanSettings(0.02, 8, 16, 8, ChoiceSettings(0.1, 0.1, True))
+SETTINGS = PlanSettings(0.02, 8, 16, 8, ChoiceSettings(0.1, 0.1, True), 2)
 PAUSED_STEP = 0.5
 NONE = np.zeros(4, np.int64)
 NOT_PROBING = np.zeros(4, bool)

@@ -236,9 +236,6 @@ class StepCostModel:
         self.observations = 0
         self.seen = np.zeros(num, dtype=bool)
         """Features some observed step had."""
-        self.catch_up_timed = False
-        """Whether a step with caught-up tokens was timed (until then a
-        caught-up token is priced as a verified one)."""
         self.most_catch_up_timed = 0
         """The most tokens a learnt step caught up: the price of a catch-up
         holds for catch-ups about that long (a longer one can cost far more
@@ -272,8 +269,13 @@ class StepCostModel:
                 # it can price a number of draft steps out for a whole run.
                 seconds = min(seconds, slow_step_clip * predicted)
         self.observe(features, seconds)
-        self.catch_up_timed |= catch_up > 0
         self.most_catch_up_timed = max(self.most_catch_up_timed, catch_up)
+
+    @property
+    def catch_up_timed(self) -> bool:
+        """Whether a step with caught-up tokens was timed (until then a
+        caught-up token is priced as a verified one)."""
+        return self.most_catch_up_timed > 0
 
     def catch_up_seconds(self) -> float:
         """Seconds per caught-up token: learnt once a catch-up was timed, at
@@ -294,7 +296,7 @@ class StepCostModel:
     def kernel_args(self) -> StepCosts:
         """What a compiled loop prices a step with."""
         return StepCosts(floats(self.weights), int(self.max_draft_steps), bool(self.piecewise_step),
-                         bool(self.catch_up_timed), int(self.most_catch_up_timed))
+                         int(self.most_catch_up_timed))
 
     def knows(self, features: np.ndarray) -> bool:
         """Whether recent steps showed every feature ``features`` has (about

@@ -135,10 +135,9 @@ class StepCosts(NamedTuple):
     max_draft_steps: int
     piecewise_step: bool
     """The model has the ``piecewise_step`` feature (FULL CUDA graphs)."""
-    catch_up_timed: bool
-    """A step with caught-up tokens was timed (their price is learnt)."""
     most_catch_up_timed: int
-    """The most tokens a learnt step caught up (``StepCostModel``)."""
+    """The most tokens a learnt step caught up (``StepCostModel``; 0: no
+    catch-up was timed, its price is not learnt)."""
 
 
 class CostFit(NamedTuple):
@@ -177,7 +176,7 @@ class PlanSettings(NamedTuple):
     probe_interval: int
     max_probe_backoff: int
     choice: ChoiceSettings
-    catch_up_growth: int = 2
+    catch_up_growth: int
     """A forced draft catches up at most this many times the most tokens a
     timed step caught up (``ControlParameters``)."""
 

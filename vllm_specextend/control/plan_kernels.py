@@ -180,7 +180,7 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
     again), a whole gap's tokens beyond :func:`forced_catch_up_range` at a
     verified token's price; a probe's catch-up is its budget's."""
     slots, gaps, whole = step.slots, step.gaps, step.whole
-    weights, timed = costs.weights, costs.catch_up_timed
+    weights, timed = costs.weights, costs.most_catch_up_timed > 0
     per_token, per_forced_token = catch_up_prices(weights, timed)
     most_forced = forced_catch_up_range(costs, settings)
     least, paused, probe_after = scratch.least_catch_up, scratch.paused, scratch.probe_after
@@ -227,7 +227,7 @@ def catch_up_limits(lengths, chosen, scratch, costs, per_catch_up, most_forced):
     until a catch-up was timed)."""
     rows = lengths.shape[0]
     probing, budgets, least = scratch.probing, scratch.budget, scratch.least_catch_up
-    weights, timed = costs.weights, costs.catch_up_timed
+    weights, timed = costs.weights, costs.most_catch_up_timed > 0
     limits = np.empty(rows, np.int64)
     forced = np.empty(rows, np.bool_)
     some = False
@@ -328,7 +328,7 @@ def settle_plan(slots, lengths, chosen, scratch, costs, requests, histogram, set
     """:func:`catch_up_limits` and :func:`note_plan` of a plan of ``lengths``
     (``chosen`` on estimates) in one call, from :func:`forced_rows`'s rows.
     Returns the limits and :func:`note_plan`'s counts."""
-    per_forced_token = catch_up_prices(costs.weights, costs.catch_up_timed)[1]
+    per_forced_token = catch_up_prices(costs.weights, costs.most_catch_up_timed > 0)[1]
     limits = catch_up_limits(lengths, chosen, scratch, costs, per_forced_token,
                              forced_catch_up_range(costs, settings))
     counts = note_plan(slots, lengths, chosen, scratch, requests, histogram, settings)
