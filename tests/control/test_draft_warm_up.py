@@ -93,6 +93,25 @@ class TwoLayers(torch.nn.Module):
         self.layer = torch.nn.Linear(width, width, bias=False)
 
 
+class PackedLinear(torch.nn.Module):
+    """A vLLM linear layer after the CPU build's GEMM dispatch packed its
+    weight away: an empty ``weight``, the sizes of ``LinearBase``."""
+
+    def __init__(self, input_size: int, output_size: int, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = input_size
+        self.output_size_per_partition = output_size // tp_size
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def test_a_linear_layer_whose_weight_was_packed_away_counts_by_its_sizes():
+    model = TwoLayers(4, tied=True)
+    model.layer = PackedLinear(4, 8, tp_size=2)
+    model.projections = torch.nn.ModuleList([PackedLinear(8, 4), PackedLinear(8, 4)])
+    assert parameter_count(model) == 16 * 4 + 4 * 4 + 2 * 8 * 4
+
+
 @pytest.mark.parametrize("prices", [True, False])
 def test_the_draft_is_weighed_by_its_parameters_each_tensor_once(prices):
     draft, target = TwoLayers(4, tied=True), TwoLayers(8, tied=False)

@@ -84,6 +84,24 @@ def test_a_warm_up_priced_at_the_cap_is_afforded_while_the_paused_step_grows():
     assert plan <= 140
 
 
+def test_a_waiting_warm_up_keeps_its_credit_through_plans_without_decoding_rows():
+    # Calls of 48 tokens, each opened by a prefill plan (no decoding rows):
+    # a cap raised for the next plan alone fell back at every prefill, and
+    # the warm-up never came (#45's grid).
+    account = ForcedDraftAccount(0.02, most_paused_plans=16)
+    price = 2 * 4 * 0.58 * PAUSED_STEP
+    for plan in range(2000):
+        if plan % 48 == 0:
+            account.planned(PAUSED_STEP, 0, NONE, NONE, NOT_PROBING)
+            account.measured(None)
+        elif account.affords(price):
+            break
+        else:
+            account.planned(PAUSED_STEP, 4, NONE, NONE, NOT_PROBING)
+            account.measured(PAUSED_STEP)
+    assert plan < 250  # 232 paused plans at 2% of a paused step
+
+
 def test_a_step_that_is_not_a_decode_step_is_not_charged():
     account = ForcedDraftAccount(0.02, 128)
     account.planned(PAUSED_STEP, 3, np.array([1, 0, 0, 0]), np.array([1, 0, 0, 0]),

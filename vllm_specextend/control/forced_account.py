@@ -45,8 +45,10 @@ class ForcedDraftAccount:
         step without drafts, summed (each at least 0): the metric."""
         self._pending: float | None = None
         self._reserve = 0.0
-        """What a plan waits to afford (:meth:`affords`): the credit's cap
-        is raised by that."""
+        """What a forced draft waits to afford (:meth:`affords`), until it
+        runs: the credit's cap is raised by that (through plans
+        without decoding rows too: a prefill between 48-token calls cut the
+        credit back to the cap, and the warm-up never came, #45)."""
 
     @property
     def in_debt(self) -> bool:
@@ -58,9 +60,9 @@ class ForcedDraftAccount:
 
     def affords(self, price: float) -> bool:
         """Whether a forced draft waiting for the credit (the warm-up's) may
-        run at ``price``; the credit's cap is raised by it for the next plan
-        (to it alone, the credit would chase a price that grows with the
-        paused step)."""
+        run at ``price``; the credit's cap is raised by it until the plan it
+        runs in (to it alone, the credit would chase a price that grows with
+        the paused step)."""
         self._reserve = price
         return self.balance >= price
 
@@ -77,7 +79,8 @@ class ForcedDraftAccount:
             credit = self.probe_budget * paused_step / rows
             self.balance = min(self.balance + credit * paused_rows,
                                credit * rows * self.most_paused_plans + self._reserve)
-        self._reserve = 0.0
+        if charged:
+            self._reserve = 0.0  # the waiting draft ran
         drafts = draft_lengths > 0
         forced_only = drafts.any() and (not (drafts & (chosen > 0) & ~probing).any()
                                         if charged is None else charged)
