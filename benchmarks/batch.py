@@ -88,6 +88,9 @@ class BatchMeasurement:
     target alone's in the same round (the run beside it: drift cancels)."""
     round_drafted_steps: list[int] | None = None
     """Interleaved rounds of ``goodput``: request-steps drafted in each round."""
+    round_forced_draft_seconds: list[float] | None = None
+    """Interleaved rounds of ``goodput``: what each round's forced drafts
+    (warm-up, probes) were charged beyond their steps' predicted paused time."""
     worker_tok_s: float | None = None
     """Output tok/s over the worker's step calls alone (``execute_model`` and
     ``sample_tokens``): ``output_tok_s`` without the engine core's work and
@@ -232,6 +235,8 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                     if m.control is not None:
                         m.round_drafted_steps = [run[0].control["drafted_request_steps"]
                                                  for run in config_runs]
+                        m.round_forced_draft_seconds = [
+                            run[0].control["forced_draft_seconds"] for run in config_runs]
                     if target_rounds:
                         m.paired_vs_target = float(np.median(
                             np.array(m.round_tok_s) / np.array(target_rounds)))

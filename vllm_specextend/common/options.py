@@ -119,8 +119,8 @@ class SpecExtendConfig:
     to cost (a draft forward at the draft's share of the target's
     parameters) is within the 2% of decode time that probes may spend, so
     a fresh engine's first requests are not slower than the target alone;
-    drafting starts after about ``100 x 2K x share`` decode steps (about
-    130 for the Qwen2.5-Coder 1.5B / 0.5B pair at K = 4). ``immediate``: at
+    drafting starts after about ``100 x K x share`` decode steps (about
+    140 for the Qwen2.5-Coder 1.5B / 0.5B pair at K = 4). ``immediate``: at
     the engine's first decode steps (a fresh engine pays them: 6% of the
     first 30 float32 steps of that pair on a 2-core CPU)."""
 
