@@ -10,7 +10,6 @@ import torch
 from vllm_specextend.control.draft_lengths import DraftPlan
 from vllm_specextend.control.draft_warm_up import WARM_UP, DraftWarmUp
 from vllm_specextend.control.forced_account import ForcedDraftAccount
-from vllm_specextend.control.goodput import GoodputController
 from vllm_specextend.control.speculation_control import SpeculationControl, parameter_count
 
 K = 4
@@ -42,11 +41,14 @@ def plans(warm_up: DraftWarmUp, account: ForcedDraftAccount, count: int,
 def test_a_priced_warm_up_waits_until_the_credit_covers_its_drafts():
     warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 128)
     warm_up.draft_forward_share = 0.25
-    # Two plans of K draft forwards at a quarter of a paused step: 2 paused
+    # Two plans, each of K draft forwards at a quarter of a paused step (1
+    # paused step), K drafts per row verified at a row's third of it (4) and
+    # one token caught up per row at a quarter of a row's (1/4): 10.5 paused
     # steps of credit, 2% of one a plan.
-    history = plans(warm_up, account, 104)
+    assert warm_up.price(DECODING, IN_SYNC, 3, PAUSED_STEP) == pytest.approx(10.5 * PAUSED_STEP)
+    history = plans(warm_up, account, 530)
     first = history.index([K, K, K])
-    assert 99 <= first <= 101
+    assert 524 <= first <= 526
     assert all(lengths == [0, 0, 0] for lengths in history[:first])  # nobody drafts meanwhile
     assert history[first:first + 4] == [[K, K, K], [K, K, K], [0, 0, 0], [0, 0, 0]]
     assert not warm_up.pending
@@ -67,21 +69,55 @@ def test_the_warm_up_drafts_only_rows_with_no_more_to_catch_up_than_a_probe():
     assert plans(warm_up, account, 1, least=np.array([600, 3, 600])) == [[0, K, 0]]
 
 
-def test_the_controller_charges_a_priced_warm_up_and_only_then_drafts():
-    controller = GoodputController(max_num_reqs=3, num_speculative_tokens=K, free_pause=True)
-    controller.warm_up.draft_forward_share = 0.25
-    context, now, drafted_at = np.full(3, 100), 0.0, []
-    for plan_number in range(140):
-        plan = controller.plan(["a", "b", "c"], context, np.ones(3, np.int64),
-                               np.full(3, 100), now)
-        now += PAUSED_STEP + 0.25 * PAUSED_STEP * plan.draft_steps
-        context = context + 1
+def warm_up_on_a_compute_bound_engine(price_of_drafts_alone: bool = False) -> tuple:
+    """A warm-up where a step costs a third of a paused step per token verified
+    (three rows), a quarter of that per token the draft catches up, and a
+    quarter of a paused step per draft forward, until its steps were measured
+    (a plan's time: its catch-up and draft forwards, then the target's step
+    that verifies its drafts); returns (plans that drafted, the forced
+    drafts' account, its price)."""
+    control = SpeculationControl(3, K, free_pause=True)
+    warm_up = control.controller.warm_up
+    warm_up.draft_forward_share = 0.25
+    price = (lambda *args: 2 * 0.25 * K * args[-1]) if price_of_drafts_alone else warm_up.price
+    prices = []
+    warm_up.price = lambda *args: prices.append(price(*args)) or prices[-1]
+    clock = [0.0]
+    control.clock = lambda: clock[0]
+    req_ids, row_step = ["a", "b", "c"], PAUSED_STEP / 3
+    context, verifying, drafted_at = np.full(3, 100), np.zeros(3, np.int64), []
+    for plan_number in range(720):
+        if not warm_up.pending and not verifying.any():
+            break  # its last step measured: the account holds what it was charged
+        query = 1 + verifying
+        plan = control.plan_step(req_ids, context.copy(), query.copy(), np.full(3, 100))
+        runs = plan.runs_draft_forward
+        starts = control.catch_up_starts(req_ids, context.copy(), 8192) if runs else None
+        caught_up = 0 if starts is None else int((context - starts).sum())
+        verifying = plan.draft_lengths.astype(np.int64) if runs else np.zeros(3, np.int64)
+        forwards = 0.25 * PAUSED_STEP * plan.draft_steps if runs else 0.0
+        clock[0] += 0.25 * row_step * caught_up + forwards + row_step * float(3 + verifying.sum())
+        context = context + query  # every draft accepted
         if plan.draft_steps:
             drafted_at.append(plan_number)
-    assert drafted_at[:2] == [drafted_at[0], drafted_at[0] + 1] and drafted_at[0] >= 95
-    # Its two steps' draft forwards, charged beyond a paused step.
-    assert controller.forced_account.excess_seconds == pytest.approx(
-        2 * 0.25 * K * PAUSED_STEP, rel=0.05)
+    return drafted_at, control.controller.forced_account, prices[-1]
+
+
+def test_the_controller_charges_a_priced_warm_up_within_its_price_and_only_then_drafts():
+    drafted_at, account, price = warm_up_on_a_compute_bound_engine()
+    assert drafted_at[:2] == [drafted_at[0], drafted_at[0] + 1] and drafted_at[0] >= 500
+    # Charged what its steps measured beyond paused ones: the draft forwards,
+    # the verification of its drafts, its catch-up; within its price.
+    assert 2 * 0.25 * K * PAUSED_STEP < account.excess_seconds <= price
+    assert not account.in_debt
+
+
+def test_a_warm_up_priced_at_its_draft_forwards_alone_leaves_the_account_in_debt():
+    # The price as it was (#45): the verification and catch-up left out.
+    drafted_at, account, price = warm_up_on_a_compute_bound_engine(price_of_drafts_alone=True)
+    assert drafted_at[0] < 200
+    assert account.excess_seconds > 2 * price
+    assert account.in_debt
 
 
 class TwoLayers(torch.nn.Module):

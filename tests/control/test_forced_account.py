@@ -63,8 +63,13 @@ def test_a_priced_warm_up_waits_for_its_price_beyond_the_cap_and_is_charged():
     assert waited == pytest.approx(256, abs=1)  # 2% of a paused step per plan
     # Charged whatever the choice said (an untimed draft looks free to it).
     balance = account.balance
-    probe(account, PAUSED_STEP + price, chosen=np.array([4, 4, 4, 4]), charged=True)
-    assert account.balance == pytest.approx(balance + 0.02 * PAUSED_STEP * 3 / 4 - price)
+    # Its two plans, each at half its price: the cap holds the credit until
+    # it is released (released at the first plan, the cap cut the second's).
+    for _ in range(2):
+        probe(account, PAUSED_STEP + price / 2, chosen=np.array([4, 4, 4, 4]), charged=True)
+    account.release()
+    assert account.balance == pytest.approx(balance + 2 * 0.02 * PAUSED_STEP * 3 / 4 - price)
+    assert not account.in_debt
     paused_plans(account, 10_000)  # the cap again, once nothing waits
     assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)
 

@@ -401,8 +401,9 @@ def _warm_up_state(worker) -> dict:
 def test_a_fresh_engine_prices_its_warm_up_by_the_draft_parameters_and_waits(
         target_model, draft_model, target_reference):
     # The default warm-up: the noisy copy has the target's parameters (share
-    # 1), so its 2 x K draft forwards cost 2K paused steps of credit, at 2%
-    # of a step a plan: 100 x K plans, more than these requests decode.
+    # 1), so its price (2 x K draft forwards, 2 x K drafts verified per row,
+    # the catch-up) is over 4K paused steps of credit, at 2% of a step a
+    # plan: over 200 x K plans, more than these requests decode.
     prompts = corpus_prompts(target_model, [150, 1200, 3000, 600])
     reference = target_reference(target_model, prompts, MAX_TOKENS)
     with engine(target_model, draft_model, k=K,

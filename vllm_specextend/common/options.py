@@ -115,12 +115,14 @@ class SpecExtendConfig:
 
     goodput_warm_up: GoodputWarmUp = "priced"
     """Goodput control's first drafts, which time the draft (until then its
-    cost is unknown). ``priced``: they wait until the time they are expected
-    to cost (a draft forward at the draft's share of the target's
-    parameters) is within the 2% of decode time that probes may spend, so
-    a fresh engine's first requests are not slower than the target alone;
-    drafting starts after about ``100 x K x share`` decode steps (about
-    140 for the Qwen2.5-Coder 1.5B / 0.5B pair at K = 4). ``immediate``: at
+    cost is unknown). ``priced``: they wait until the most they can cost
+    (draft forwards at the draft's share of the target's parameters, the
+    verification of their drafts, a short catch-up) is within the 2% of
+    decode time that probes may spend, so a fresh engine's first requests
+    are not slower than the target alone; drafting starts after about
+    ``100 x (K x (1 + share) + 8 x share)`` decode steps (about 830 for the
+    Qwen2.5-Coder 1.5B / 0.5B pair at K = 4, 440 for an EAGLE head of 3% of
+    the target's parameters). ``immediate``: at
     the engine's first decode steps (a fresh engine pays them: 6% of the
     first 30 float32 steps of that pair on a 2-core CPU)."""
 

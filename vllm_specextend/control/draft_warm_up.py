@@ -4,9 +4,10 @@ looks free to it).
 
 Once the drafter weighed its draft (:attr:`DraftWarmUp.draft_forward_share`,
 at model load), the warm-up is a forced draft like a probe: it waits until
-the forced drafts' account (:class:`ForcedDraftAccount`) holds its price, a
-draft forward at that share of a paused step per draft step, and is charged
-what its step measured. Until then nobody drafts (untimed drafts would look
+the forced drafts' account (:class:`ForcedDraftAccount`) holds its price
+(:meth:`DraftWarmUp.price`: its draft forwards, the verification of its
+drafts and its first catch-up, each at most what it can cost), and is
+charged what its steps measured. Until then nobody drafts (untimed drafts would look
 free) and prompts go through the draft (the warm-up needs a request the
 draft is in sync with). Unpriced, the warm-up ran at a fresh engine's first
 decode steps: 6% of the first 30 float32 steps of the issue's Qwen pair
@@ -54,8 +55,32 @@ class DraftWarmUp:
         return self.plans_done < len(WARM_UP)
 
     @property
+    def drafts_left(self) -> bool:
+        """Whether a drafting plan of ``WARM_UP`` is still to come."""
+        return "draft" in WARM_UP[self.plans_done:]
+
+    @property
     def priced(self) -> bool:
         return self.draft_forward_share is not None
+
+    def price(self, rows: np.ndarray, least: np.ndarray, decoding_rows: int,
+              paused_step: float) -> float:
+        """Seconds the warm-up's steps may cost beyond paused ones, at most,
+        before anything was timed (``rows``: those it drafts; ``least``: per
+        row, its least catch-up; ``decoding_rows``: the step's). Per drafting
+        plan: ``K`` draft forwards at the draft's share of a paused step, the
+        ``K`` drafts of each row verified at a decode row's share of it (a
+        step grows with its tokens at most as on a compute-bound CPU) and the
+        least catch-up of its rows, a draft's token per token (more, the
+        second plan's rows catch up only as their own budgets buy).
+        With the draft forwards alone the price was 0.44x what the warm-up
+        cost on a 2-core Zen 4 (the Qwen pair at 4 x 3.7K, bf16: charged
+        1.13 s against 0.50 s, #45)."""
+        share, k = self.draft_forward_share, self.num_speculative_tokens
+        row_step = paused_step / max(decoding_rows, 1)
+        per_plan = (k * share * paused_step + int(rows.sum()) * k * row_step
+                    + float(least[rows].sum()) * share * row_step)
+        return WARM_UP.count("draft") * per_plan
 
     def plan(self, plan: DraftPlan, decoding: np.ndarray, least: np.ndarray,
              paused_step: float, account: ForcedDraftAccount) -> DraftPlan:
@@ -70,10 +95,10 @@ class DraftWarmUp:
             self.planned_now = True
             return paused
         k = self.num_speculative_tokens
-        if self.priced and self.plans_done == 0 and not (paused_step > 0.0 and account.affords(
-                WARM_UP.count("draft") * self.draft_forward_share * k * paused_step)):
-            return paused  # until a paused step was timed and the credit covers the drafts
         rows = decoding & (least <= self.min_catch_up)
+        if self.priced and self.plans_done == 0 and not (paused_step > 0.0 and account.affords(
+                self.price(rows, least, int(decoding.sum()), paused_step))):
+            return paused  # until a paused step was timed and the credit covers the warm-up
         if not rows.any():
             return paused  # a warm-up that drafts nothing times nothing
         self.plans_done += 1

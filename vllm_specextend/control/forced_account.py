@@ -46,9 +46,11 @@ class ForcedDraftAccount:
         self._pending: float | None = None
         self._reserve = 0.0
         """What a forced draft waits to afford (:meth:`affords`), until it
-        runs: the credit's cap is raised by that (through plans
-        without decoding rows too: a prefill between 48-token calls cut the
-        credit back to the cap, and the warm-up never came, #45)."""
+        has run (:meth:`release`): the credit's cap is raised by that
+        (through plans without decoding rows too: a prefill between 48-token
+        calls cut the credit back to the cap, and the warm-up never came;
+        released at its first plan, the cap cut what its second plan had
+        been credited for, #45)."""
 
     @property
     def in_debt(self) -> bool:
@@ -60,11 +62,16 @@ class ForcedDraftAccount:
 
     def affords(self, price: float) -> bool:
         """Whether a forced draft waiting for the credit (the warm-up's) may
-        run at ``price``; the credit's cap is raised by it until the plan it
-        runs in (to it alone, the credit would chase a price that grows with
+        run at ``price``; the credit's cap is raised by it until it is
+        released (to it alone, the credit would chase a price that grows with
         the paused step)."""
         self._reserve = price
         return self.balance >= price
+
+    def release(self) -> None:
+        """The waiting forced draft's plans have all been planned: the credit's
+        cap is the plans' again."""
+        self._reserve = 0.0
 
     def planned(self, paused_step: float, paused_rows: int, draft_lengths: np.ndarray,
                 chosen: np.ndarray, probing: np.ndarray, charged: bool | None = None) -> None:
@@ -79,8 +86,6 @@ class ForcedDraftAccount:
             credit = self.probe_budget * paused_step / rows
             self.balance = min(self.balance + credit * paused_rows,
                                credit * rows * self.most_paused_plans + self._reserve)
-        if charged:
-            self._reserve = 0.0  # the waiting draft ran
         drafts = draft_lengths > 0
         forced_only = drafts.any() and (not (drafts & (chosen > 0) & ~probing).any()
                                         if charged is None else charged)

@@ -295,6 +295,8 @@ class GoodputController:
         self.forced_account.planned(
             paused_step, counts[4], plan.draft_lengths, lengths, scratch.probing[:num_requests],
             self.warm_up.priced if warm_up and self.warm_up.planned_now else None)
+        if warm_up and self.warm_up.planned_now and not self.warm_up.drafts_left:
+            self.forced_account.release()  # the price it waited for is spent
         return self._noted(plan, limits, counts)
 
     def _decide_forward(self, plan: DraftPlan, verifying: np.ndarray,
