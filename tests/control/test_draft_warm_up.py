@@ -56,6 +56,19 @@ def test_a_priced_warm_up_waits_until_the_credit_covers_its_drafts():
     assert account.excess_seconds == pytest.approx(2 * PAUSED_STEP * 0.25 * K)
 
 
+def test_a_plan_without_a_row_to_warm_up_keeps_the_credit_waited_for():
+    # Credit for 6 of its 10.5 paused steps, above the cap of 16 plans'; then
+    # plans whose rows all lack their draft (a prompt that skipped it). Priced
+    # at no row's drafts, the reserve fell and the cap cut the credit.
+    warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 16)
+    warm_up.draft_forward_share = 0.25
+    plans(warm_up, account, 300)
+    assert account.balance == pytest.approx(6 * PAUSED_STEP, rel=0.01)
+    plans(warm_up, account, 5, least=np.array([600, 600, 600]))
+    assert account.balance == pytest.approx(6.1 * PAUSED_STEP, rel=0.01)
+    assert warm_up.plans_done == 0
+
+
 def test_an_unpriced_warm_up_drafts_at_the_first_decode_plan():
     warm_up, account = DraftWarmUp(K, 8), ForcedDraftAccount(0.02, 128)
     assert plans(warm_up, account, len(WARM_UP)) == [[K] * 3, [K] * 3, [0] * 3, [0] * 3]

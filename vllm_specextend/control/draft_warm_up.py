@@ -6,12 +6,12 @@ Once the drafter weighed its draft (:attr:`DraftWarmUp.draft_forward_share`,
 at model load), the warm-up is a forced draft like a probe: it waits until
 the forced drafts' account (:class:`ForcedDraftAccount`) holds its price
 (:meth:`DraftWarmUp.price`: its draft forwards, the verification of its
-drafts and its first catch-up, each at most what it can cost), and is
-charged what its steps measured. Until then nobody drafts (untimed drafts would look
-free) and prompts go through the draft (the warm-up needs a request the
-draft is in sync with). Unpriced, the warm-up ran at a fresh engine's first
-decode steps: 6% of the first 30 float32 steps of the issue's Qwen pair
-(#45), and more where drafting did not pay.
+drafts and its rows' least catch-up, each at most what it can cost), and
+is charged what its steps measured. Until then nobody drafts (untimed
+drafts would look free) and prompts go through the draft (the warm-up
+needs a request the draft is in sync with). Unpriced, the warm-up ran at a
+fresh engine's first decode steps: 6% of the first 30 float32 steps of the
+issue's Qwen pair (#45), and more where drafting did not pay.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ class DraftWarmUp:
             return paused
         k = self.num_speculative_tokens
         rows = decoding & (least <= self.min_catch_up)
+        if not rows.any():
+            return paused  # a warm-up that drafts nothing times nothing (its reserve stays)
         if self.priced and self.plans_done == 0 and not (paused_step > 0.0 and account.affords(
                 self.price(rows, least, int(decoding.sum()), paused_step))):
             return paused  # until a paused step was timed and the credit covers the warm-up
-        if not rows.any():
-            return paused  # a warm-up that drafts nothing times nothing
         self.plans_done += 1
         self.planned_now = True
         return DraftPlan(np.where(rows, k, 0), k, plan.expected_goodput)
