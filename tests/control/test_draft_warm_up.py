@@ -1,5 +1,7 @@
 """Goodput control's warm-up (``control/draft_warm_up.py``): priced at the
-draft's parameter share, it waits for the forced drafts' credit."""
+most it can cost (its draft forwards at the draft's parameter share, the
+verification of its drafts, its catch-up), it waits for the forced drafts'
+credit."""
 
 from __future__ import annotations
 
