@@ -91,6 +91,9 @@ class BatchMeasurement:
     round_forced_draft_seconds: list[float] | None = None
     """Interleaved rounds of ``goodput``: what each round's forced drafts
     (warm-up, probes) were charged beyond their steps' predicted paused time."""
+    round_forced_priced_seconds: list[float] | None = None
+    """Interleaved rounds of ``goodput``: what the step-cost model priced those
+    steps at, as they ran (steps whose every part it had timed)."""
     worker_tok_s: float | None = None
     """Output tok/s over the worker's step calls alone (``execute_model`` and
     ``sample_tokens``): ``output_tok_s`` without the engine core's work and
@@ -237,6 +240,8 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                                                  for run in config_runs]
                         m.round_forced_draft_seconds = [
                             run[0].control["forced_draft_seconds"] for run in config_runs]
+                        m.round_forced_priced_seconds = [
+                            run[0].control["forced_priced_seconds"] for run in config_runs]
                     if target_rounds:
                         m.paired_vs_target = float(np.median(
                             np.array(m.round_tok_s) / np.array(target_rounds)))

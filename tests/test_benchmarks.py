@@ -459,8 +459,8 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
         calls.append(config)
         # A host slowing down run by run: a drift the turns share out.
         speed = 100.0 - len(calls)
-        control = ({"drafted_request_steps": len(calls), "forced_draft_seconds": len(calls) / 10}
-                   if config == "goodput" else None)
+        control = ({"drafted_request_steps": len(calls), "forced_draft_seconds": len(calls) / 10,
+                    "forced_priced_seconds": len(calls) / 20} if config == "goodput" else None)
         return batch.BatchMeasurement(config, len(passages), length, 8, 4, 1.0, speed, None, 0,
                                       None, None, None, None, control=control), [[len(calls)]]
 
@@ -492,6 +492,7 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
     assert by_config["always_paused"].paired_vs_always_paused is None
     assert by_config["goodput"].round_drafted_steps == [3, 6, 11]
     assert by_config["goodput"].round_forced_draft_seconds == pytest.approx([0.3, 0.6, 1.1])
+    assert by_config["goodput"].round_forced_priced_seconds == pytest.approx([0.15, 0.3, 0.55])
     assert by_config["target"].round_drafted_steps is None
     with pytest.raises(SystemExit, match="at most one drafting engine"):
         batch.interleaved_engine_runs(args, engines + [("eagle3_full", ["eagle3_full"], None,

@@ -40,6 +40,9 @@ _CONTROL_COUNTERS = {
     "forced_draft_seconds": "Goodput control: seconds that steps with only forced drafts "
                             "(probes, explorations, a priced warm-up) took beyond the step "
                             "without drafts.",
+    "forced_priced_seconds": "Goodput control: what the step-cost model priced those steps "
+                             "at beyond the step without drafts, as they ran (steps whose "
+                             "every part it had timed).",
     "explorations": "Goodput control: steps planned against its choice (every request "
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "

@@ -120,3 +120,4 @@ def test_a_long_pause_buys_no_burst_of_probes():
     account = ForcedDraftAccount(0.02, most_paused_plans=128)
     paused_plans(account, 10_000)
     assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)
+

@@ -36,11 +36,12 @@ BATCH, K, TOKENS, PROMPT = 4, 4, 32, 3690
 def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: int = 8,
                     stats: list | None = None, tokens: int = TOKENS,
                     cold_catch_up: float = 0.0, priced_warm_up: bool = False,
-                    fresh: bool = False) -> float:
+                    fresh: bool = False, controllers: list | None = None) -> float:
     """Goodput control's tokens per second over the target alone's.
     ``priced_warm_up``: the warm-up waits for its price, a draft forward at
     its true share of a target step (as an engine's drafter weighs it from
-    the parameters); ``fresh``: the first batch counts too."""
+    the parameters); ``fresh``: the first batch counts too; ``controllers``
+    gets the controller."""
     rng = np.random.default_rng(seed)
     control = SpeculationControl(BATCH, K, free_pause=True, synced_lead=1, defer_prompts=True)
     if priced_warm_up:
@@ -86,6 +87,8 @@ def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: in
             alone += PREFILL + TARGET_STEP * tokens
     if stats is not None:
         stats.append(control.controller.stats)
+    if controllers is not None:
+        controllers.append(control.controller)
     return alone / controlled
 
 
@@ -137,6 +140,19 @@ def test_a_fresh_engine_whose_warm_up_waited_drafts_where_drafting_pays(draft_st
     speeds = [simulated_speed(draft_step, 0.8, seed, batches=48, priced_warm_up=True,
                               fresh=True) for seed in range(3)]
     assert min(speeds) >= gain, speeds
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_probe_costs_what_it_was_priced_at_with_the_catch_up_it_bought(seed):
+    # Long paused requests probe again and again, each catching up what its
+    # budget buys. Priced by the cost model as each step ran (its catch-up
+    # too) they cost that: the charge is the step's measured excess.
+    # (Issue #45's engine, bf16, 128 tokens: probes priced 0.29 s, charged 0.25 s.)
+    controllers: list = []
+    simulated_speed(0.05, 0.35, seed, batches=4, tokens=256, controllers=controllers)
+    account, stats = controllers[0].forced_account, controllers[0].stats
+    assert stats.probes >= 40 and stats.catch_up_tokens >= 40 * 8
+    assert account.priced_seconds == pytest.approx(account.excess_seconds, rel=0.25)
 
 
 COLD_CATCH_UPS = [1.0, 3.0]

@@ -10,7 +10,10 @@ more where the JIT is slower), and a step far above its prediction is
 dropped by the cost model as a stall, so the price never learns it. The
 account pays each step whose drafts were all forced at what the clock
 measured beyond the predicted step without drafts; while it is in debt, no
-row drafts by force.
+row drafts by force. Beside the charges it sums what the cost model priced
+those steps at as they ran (``priced_seconds``, the price a probe and the
+catch-up it bought were admitted at): the two agree where probes cost their
+price.
 
 The engine's warm-up draft is paid from it too once it is priced
 (``draft_warm_up.py``).
@@ -43,6 +46,11 @@ class ForcedDraftAccount:
         self.excess_seconds = 0.0
         """What steps with only forced drafts took beyond their predicted
         step without drafts, summed (each at least 0): the metric."""
+        self.priced_seconds = 0.0
+        """What the cost model priced those steps at beyond the step without
+        drafts, as they ran (their tokens, draft steps and catch-up), summed
+        over the steps whose every feature it had timed: the metric beside
+        ``excess_seconds``."""
         self._pending: float | None = None
         self._reserve = 0.0
         """What a forced draft waits to afford (:meth:`affords`), until it
@@ -55,6 +63,11 @@ class ForcedDraftAccount:
     @property
     def in_debt(self) -> bool:
         return self.balance < 0.0
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the next step is charged (the last plan's drafts were all forced)."""
+        return self._pending is not None
 
     def settings(self, settings: PlanSettings) -> PlanSettings:
         """A plan's ``settings``: no probe budget while the account is in debt."""
@@ -91,13 +104,19 @@ class ForcedDraftAccount:
                                         if charged is None else charged)
         self._pending = paused_step if forced_only else None
 
-    def measured(self, seconds: float | None) -> None:
+    def measured(self, seconds: float | None, priced: float | None = None) -> None:
         """The step after the last plan took ``seconds`` (None: not a decode
-        step, not measured). All of it is charged, a host's hiccup too: an
-        account charged less than a probe cost would let probes cost more
-        than their budget, one charged more only makes them wait."""
+        step, not measured); ``priced``: the cost model's prediction of that
+        step as it ran, before it learnt from it (None: it had not timed all
+        of what the step did, the warm-up's draft forwards before they were
+        ever run). All of it is charged, a host's hiccup too: an account
+        charged less than a probe cost would let probes cost more than their
+        budget, one charged more only makes them wait."""
         predicted, self._pending = self._pending, None
         if predicted is None or seconds is None:
             return
-        self.balance -= seconds - predicted
-        self.excess_seconds += max(seconds - predicted, 0.0)
+        charged = seconds - predicted
+        self.balance -= charged
+        self.excess_seconds += max(charged, 0.0)
+        if priced is not None:
+            self.priced_seconds += max(priced - predicted, 0.0)

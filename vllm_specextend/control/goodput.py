@@ -251,14 +251,19 @@ class GoodputController:
         tokens, other_tokens, prefilling, uniform = step_rows(
             step, -1 if graph is None else graph, self.state, estimates, scratch)
         decode_step = not (prefilling or self._last_prefilling) and self._last_time is not None
+        seconds = priced = None
         if decode_step:
             # Decode steps only: a prefill's cost (the target's and the
             # draft's) says nothing about the choice, and would swamp it.
-            self.cost.observe_step(
-                self.cost.features(tokens, self._last_draft_forwards,
-                                   self._last_catch_up_tokens, graph is not None and not uniform),
-                now - self._last_time, p.stall_factor, p.slow_step_clip)
-        self.forced_account.measured(now - self._last_time if decode_step else None)
+            seconds = now - self._last_time
+            features = self.cost.features(tokens, self._last_draft_forwards,
+                                          self._last_catch_up_tokens,
+                                          graph is not None and not uniform)
+            if self.forced_account.measuring and self.cost.has_timed(features):
+                # What a forced step was priced at, as it ran.
+                priced = float(self.cost.predict(features))
+            self.cost.observe_step(features, seconds, p.stall_factor, p.slow_step_clip)
+        self.forced_account.measured(seconds, priced)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
         exploring = self._exploration_due()

@@ -372,6 +372,7 @@ class SpeculationControl:
             "paused_request_steps": stats.paused_request_steps,
             "probes": stats.probes,
             "forced_draft_seconds": self.controller.forced_account.excess_seconds,
+            "forced_priced_seconds": self.controller.forced_account.priced_seconds,
             "warm_up_pending": int(self.controller.warm_up.pending),
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
