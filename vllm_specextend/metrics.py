@@ -41,8 +41,8 @@ _CONTROL_COUNTERS = {
                             "(probes, explorations, a priced warm-up) took beyond the step "
                             "without drafts.",
     "forced_priced_seconds": "Goodput control: what the step-cost model priced those steps "
-                             "at beyond the step without drafts, as they ran (steps whose "
-                             "every part it had timed).",
+                             "at beyond the step without drafts, as they ran (not the "
+                             "warm-up's, which has its own price).",
     "explorations": "Goodput control: steps planned against its choice (every request "
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "

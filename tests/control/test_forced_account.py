@@ -121,3 +121,16 @@ def test_a_long_pause_buys_no_burst_of_probes():
     paused_plans(account, 10_000)
     assert account.balance == pytest.approx(0.02 * PAUSED_STEP * 128)
 
+
+def test_forced_steps_are_priced_beside_their_charge_but_the_warm_up_by_its_own_price():
+    account = ForcedDraftAccount(0.02, 128)
+    paused_plans(account, 1000)
+    lengths = np.array([1, 0, 0, 0])
+    account.planned(PAUSED_STEP, 3, lengths, lengths, np.array([True, False, False, False]))
+    assert account.measuring
+    account.measured(PAUSED_STEP + 0.3, priced=PAUSED_STEP + 0.25)  # a probe
+    account.planned(PAUSED_STEP, 0, np.full(4, 4), np.full(4, 4), NOT_PROBING, charged=True)
+    account.measured(PAUSED_STEP + 2.0, priced=PAUSED_STEP + 9.0)  # the warm-up
+    assert not account.measuring
+    assert account.priced_seconds == pytest.approx(0.25)
+    assert account.excess_seconds == pytest.approx(2.3)

@@ -11,9 +11,10 @@ dropped by the cost model as a stall, so the price never learns it. The
 account pays each step whose drafts were all forced at what the clock
 measured beyond the predicted step without drafts; while it is in debt, no
 row drafts by force. Beside the charges it sums what the cost model priced
-those steps at as they ran (``priced_seconds``, the price a probe and the
-catch-up it bought were admitted at): the two agree where probes cost their
-price.
+those steps at as they ran (``priced_seconds``): the two agree where the
+model knows what a forced step costs. (A probe's catch-up is admitted at the
+learnt price per token held to a verified token's, which can be learnt as
+nothing: on #45's Zen 4 such probes caught up 212-252 tokens.)
 
 The engine's warm-up draft is paid from it too once it is priced
 (``draft_warm_up.py``).
@@ -49,9 +50,10 @@ class ForcedDraftAccount:
         self.priced_seconds = 0.0
         """What the cost model priced those steps at beyond the step without
         drafts, as they ran (their tokens, draft steps and catch-up), summed
-        over the steps whose every feature it had timed: the metric beside
-        ``excess_seconds``."""
+        (not the warm-up's, priced by ``DraftWarmUp.price``): the metric
+        beside ``excess_seconds``."""
         self._pending: float | None = None
+        self._pending_priced = False
         self._reserve = 0.0
         """What a forced draft waits to afford (:meth:`affords`), until it
         has run (:meth:`release`): the credit's cap is raised by that
@@ -103,20 +105,20 @@ class ForcedDraftAccount:
         forced_only = drafts.any() and (not (drafts & (chosen > 0) & ~probing).any()
                                         if charged is None else charged)
         self._pending = paused_step if forced_only else None
+        self._pending_priced = charged is None  # the warm-up has its own price
 
     def measured(self, seconds: float | None, priced: float | None = None) -> None:
         """The step after the last plan took ``seconds`` (None: not a decode
         step, not measured); ``priced``: the cost model's prediction of that
-        step as it ran, before it learnt from it (None: it had not timed all
-        of what the step did, the warm-up's draft forwards before they were
-        ever run). All of it is charged, a host's hiccup too: an account
-        charged less than a probe cost would let probes cost more than their
-        budget, one charged more only makes them wait."""
+        step as it ran, before it learnt from it. All of it is charged, a
+        host's hiccup too: an account charged less than a probe cost would let
+        probes cost more than their budget, one charged more only makes them
+        wait."""
         predicted, self._pending = self._pending, None
         if predicted is None or seconds is None:
             return
         charged = seconds - predicted
         self.balance -= charged
         self.excess_seconds += max(charged, 0.0)
-        if priced is not None:
+        if priced is not None and self._pending_priced:
             self.priced_seconds += max(priced - predicted, 0.0)

@@ -82,6 +82,9 @@ from vllm_specextend.control.plan_kernels import (
     start_requests,
     step_rows,
 )
+from vllm_specextend.log import plugin_logger
+
+logger = plugin_logger(__name__)
 
 __all__ = [
     "MAX_PROBE_BACKOFF", "PROBE_INTERVAL", "UNLIMITED", "AcceptanceEstimates",
@@ -251,19 +254,8 @@ class GoodputController:
         tokens, other_tokens, prefilling, uniform = step_rows(
             step, -1 if graph is None else graph, self.state, estimates, scratch)
         decode_step = not (prefilling or self._last_prefilling) and self._last_time is not None
-        seconds = priced = None
-        if decode_step:
-            # Decode steps only: a prefill's cost (the target's and the
-            # draft's) says nothing about the choice, and would swamp it.
-            seconds = now - self._last_time
-            features = self.cost.features(tokens, self._last_draft_forwards,
-                                          self._last_catch_up_tokens,
-                                          graph is not None and not uniform)
-            if self.forced_account.measuring and self.cost.has_timed(features):
-                # What a forced step was priced at, as it ran.
-                priced = float(self.cost.predict(features))
-            self.cost.observe_step(features, seconds, p.stall_factor, p.slow_step_clip)
-        self.forced_account.measured(seconds, priced)
+        self._learn(tokens, graph is not None and not uniform,
+                    now - self._last_time if decode_step else None)
         self._last_time, self._last_prefilling = now, prefilling
         self._last_catch_up_tokens = 0
         exploring = self._exploration_due()
@@ -303,6 +295,20 @@ class GoodputController:
         if warm_up and self.warm_up.planned_now and not self.warm_up.drafts_left:
             self.forced_account.release()  # the price it waited for is spent
         return self._noted(plan, limits, counts)
+
+    def _learn(self, tokens: int, piecewise: bool, seconds: float | None) -> None:
+        """The last step's ``seconds`` (None: a prefill's) learnt, and charged if forced."""
+        priced = None
+        if seconds is not None:
+            p, cost = self.parameters, self.cost
+            features = cost.features(tokens, self._last_draft_forwards,
+                                     self._last_catch_up_tokens, piecewise)
+            if self.forced_account.measuring:
+                priced = float(cost.predict(features))
+                logger.debug("Forced step: %.3f s, priced %.3f s (features %s, weights %s)",
+                             seconds, priced, features.tolist(), cost.weights.tolist())
+            cost.observe_step(features, seconds, p.stall_factor, p.slow_step_clip)
+        self.forced_account.measured(seconds, priced)
 
     def _decide_forward(self, plan: DraftPlan, verifying: np.ndarray,
                         query_lens: np.ndarray) -> None:
