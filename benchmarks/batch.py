@@ -30,6 +30,7 @@ from benchmarks.corpus import load_corpus
 from benchmarks.machine import cpu_seconds, huge_page_share, machine_info, others_cpu
 from benchmarks.prompts import summarization_prompt
 from benchmarks.report import args_record, config_color, fmt, fmt_ratio, pyplot, save_figure
+from benchmarks.round_spread import median_interval
 from benchmarks.runs import engine_kwargs, started_engine
 from benchmarks.step_breakdown import (
     breakdown_per_step,
@@ -86,6 +87,9 @@ class BatchMeasurement:
     paired_vs_target: float | None = None
     """Interleaved rounds: the median over rounds of this run's speed over the
     target alone's in the same round (the run beside it: drift cancels)."""
+    paired_vs_target_interval: list[float] | None = None
+    """Interleaved rounds: a 90% bootstrap interval of ``paired_vs_target``
+    (``round_spread.py``): how far the rounds resolve it."""
     round_drafted_steps: list[int] | None = None
     """Interleaved rounds of ``goodput``: request-steps drafted in each round."""
     round_forced_draft_seconds: list[float] | None = None
@@ -93,7 +97,7 @@ class BatchMeasurement:
     (warm-up, probes) were charged beyond their steps' predicted paused time."""
     round_forced_priced_seconds: list[float] | None = None
     """Interleaved rounds of ``goodput``: what the step-cost model priced those
-    steps at, as they ran (steps whose every part it had timed)."""
+    steps at, as they ran (not the warm-up's, which has its own price)."""
     worker_tok_s: float | None = None
     """Output tok/s over the worker's step calls alone (``execute_model`` and
     ``sample_tokens``): ``output_tok_s`` without the engine core's work and
@@ -243,8 +247,10 @@ def interleaved_engine_runs(args, engines: list[tuple[str, list[str], dict | Non
                         m.round_forced_priced_seconds = [
                             run[0].control["forced_priced_seconds"] for run in config_runs]
                     if target_rounds:
-                        m.paired_vs_target = float(np.median(
-                            np.array(m.round_tok_s) / np.array(target_rounds)))
+                        ratios = np.array(m.round_tok_s) / np.array(target_rounds)
+                        m.paired_vs_target = float(np.median(ratios))
+                        if config != "target":
+                            m.paired_vs_target_interval = list(median_interval(ratios.tolist()))
                     if floor_rounds and config == "goodput":
                         m.paired_vs_always_paused = float(np.median(
                             np.array(m.round_tok_s) / np.array(floor_rounds)))
@@ -400,7 +406,7 @@ def batch_table(measurements: list[BatchMeasurement]) -> str:
         lines.append(
             f"| {m.config} | {m.batch_size} | {m.context_tokens} | {m.output_tok_s:.2f} | "
             f"{fmt_ratio(m.output_tok_s / stock.output_tok_s if stock else None)} | "
-            f"{fmt_ratio(vs_target(m, target))} | "
+            f"{fmt_ratio(vs_target(m, target))}{interval_note(m)} | "
             f"{fmt(m.mean_acceptance_length)} | {fmt_ratio(acc)} | "
             f"{m.drafted_tokens} / {m.output_tokens} | "
             f"{fmt(m.draft_s_per_step, '.3f')} | {fmt(m.verify_s_per_step, '.3f')} | "
@@ -423,6 +429,14 @@ def _count_deltas(after: dict, before: dict) -> dict:
                   else [a - b for a, b in zip(value, before[key])] if isinstance(value, list)
                   else value - before[key])
             for key, value in after.items()}
+
+
+def interval_note(m: BatchMeasurement) -> str:
+    """`` (low-high)``: the paired ratio's 90% interval over the rounds, or empty."""
+    if m.paired_vs_target_interval is None:
+        return ""
+    low, high = m.paired_vs_target_interval
+    return f" ({low:.2f}-{high:.2f})"
 
 
 def vs_target(m: BatchMeasurement, target: BatchMeasurement | None) -> float | None:

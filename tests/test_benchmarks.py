@@ -489,6 +489,9 @@ def test_interleaved_rounds_alternate_engines_and_report_each_median(monkeypatch
     # forced pauses on its engine: 97/96, 94/95, 89/88.
     assert by_config["goodput"].paired_vs_target == pytest.approx(97 / 99)
     assert by_config["goodput"].paired_vs_always_paused == pytest.approx(97 / 96)
+    low, high = by_config["goodput"].paired_vs_target_interval
+    assert 89 / 91 <= low <= 97 / 99 <= high <= 94 / 92
+    assert by_config["target"].paired_vs_target_interval is None
     assert by_config["always_paused"].paired_vs_always_paused is None
     assert by_config["goodput"].round_drafted_steps == [3, 6, 11]
     assert by_config["goodput"].round_forced_draft_seconds == pytest.approx([0.3, 0.6, 1.1])
@@ -537,3 +540,14 @@ def test_onednn_shapes_times_a_first_and_a_repeated_forward_per_row_count(tmp_pa
     table = onednn_shapes.write(costs, tmp_path)
     assert table.count("| tiny | float32 |") == len(onednn_shapes.ROW_COUNTS)
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_round_spread_tells_how_many_rounds_resolve_a_floor():
+    from benchmarks.round_spread import median_interval, rounds_to_resolve
+
+    assert median_interval([0.98] * 5) == pytest.approx((0.98, 0.98))
+    low, high = median_interval([0.8, 0.9, 1.0, 1.1, 1.2])
+    assert 0.8 <= low < 1.0 < high <= 1.2
+    # Rounds 0.1 apart (sd 0.071): (1.645 x 0.071 / 0.03)^2 rounds for a 3% floor.
+    assert rounds_to_resolve([0.95, 1.05], 0.03) == 16
+    assert rounds_to_resolve([1.0], 0.03) is None
