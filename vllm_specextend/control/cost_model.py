@@ -304,11 +304,6 @@ class StepCostModel:
         return all(weight >= 1.0 for weight, feature in zip(np.diag(self._gram).tolist(),
                                                             features.tolist()) if feature)
 
-    def has_timed(self, features: np.ndarray) -> bool:
-        """Whether some observed step had every feature ``features`` has (its
-        price is learnt, however long ago)."""
-        return bool(self.seen[np.asarray(features) != 0].all())
-
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self.weights
 
