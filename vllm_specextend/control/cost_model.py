@@ -201,12 +201,14 @@ def catch_up_prices(weights, timed):
     """Seconds per caught-up token, and per token of a forced draft's
     catch-up (see :meth:`StepCostModel.catch_up_seconds` and
     :meth:`StepCostModel.forced_catch_up_seconds`; ``timed``: a step with
-    caught-up tokens was timed)."""
+    caught-up tokens was timed). Once timed, both are the learnt price:
+    not held to a verified token's, which a memory-bound target's decode
+    can learn as free while the draft's catch-up is compute-bound (issue
+    #45's Zen 4: probes then bought 212-252 tokens, a second each)."""
     verified = weights[1]
     if not timed:
         return verified, 0.0
-    learnt = verified if verified < weights[2] else weights[2]  # Python's min(learnt, verified)
-    return learnt, learnt
+    return weights[2], weights[2]
 
 
 class StepCostModel:
@@ -278,11 +280,9 @@ class StepCostModel:
         return self.most_catch_up_timed > 0
 
     def catch_up_seconds(self) -> float:
-        """Seconds per caught-up token: learnt once a catch-up was timed, at
-        most a verified token's (a draft's token costs no more than the
-        target's: one small catch-up's step can put all its noise on its few
-        tokens); before, a verified token's, so resumptions and prompts are
-        not priced as free."""
+        """Seconds per caught-up token: learnt once a catch-up was timed;
+        before, a verified token's, so resumptions and prompts are not
+        priced as free."""
         return float(catch_up_prices(self.weights, self.catch_up_timed)[0])
 
     def forced_catch_up_seconds(self) -> float:

@@ -12,9 +12,7 @@ account pays each step whose drafts were all forced at what the clock
 measured beyond the predicted step without drafts; while it is in debt, no
 row drafts by force. Beside the charges it sums what the cost model priced
 those steps at as they ran (``priced_seconds``): the two agree where the
-model knows what a forced step costs. (A probe's catch-up is admitted at the
-learnt price per token held to a verified token's, which can be learnt as
-nothing: on #45's Zen 4 such probes caught up 212-252 tokens.)
+model knows what a forced step costs.
 
 The engine's warm-up draft is paid from it too once it is priced
 (``draft_warm_up.py``).

@@ -178,7 +178,7 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
     catching up its gap once, spread over as many steps as the request has
     decoded (at least a probe interval; it is expected to run about as long
     again), a whole gap's tokens beyond :func:`forced_catch_up_range` at a
-    verified token's price; a probe's catch-up is its budget's."""
+    verified token's price at least; a probe's catch-up is its budget's."""
     slots, gaps, whole = step.slots, step.gaps, step.whole
     weights, timed = costs.weights, costs.most_catch_up_timed > 0
     per_token, per_forced_token = catch_up_prices(weights, timed)
@@ -211,10 +211,11 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
             horizon = max(requests.drafted_steps[slot] + requests.paused_decode_steps[slot],
                           probe_interval)
             # A whole gap (a prompt the draft lacks: thousands of tokens)
-            # beyond the range timed: a token there at a verified one's
-            # price (a draft's token costs no more than the target's).
+            # beyond the range timed: a token there costs more than those
+            # timed, up to a target's prompt token; priced at a verified one's.
             within = min(gaps[row], most_forced) if whole.shape[0] and whole[row] else gaps[row]
-            resume[row] = (within * per_token + (gaps[row] - within) * weights[1]) / horizon
+            beyond = weights[1] if weights[1] > per_token else per_token
+            resume[row] = (within * per_token + (gaps[row] - within) * beyond) / horizon
 
 
 @compiled
