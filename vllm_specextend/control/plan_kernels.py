@@ -212,7 +212,7 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
                           probe_interval)
             # A whole gap (a prompt the draft lacks: thousands of tokens)
             # beyond the range timed: a token there costs more than those
-            # timed, up to a target's prompt token; priced at a verified one's.
+            # timed; priced at a verified one's, or theirs where dearer.
             within = min(gaps[row], most_forced) if whole.shape[0] and whole[row] else gaps[row]
             beyond = weights[1] if weights[1] > per_token else per_token
             resume[row] = (within * per_token + (gaps[row] - within) * beyond) / horizon
