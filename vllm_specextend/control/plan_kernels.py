@@ -182,6 +182,10 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
     slots, gaps, whole = step.slots, step.gaps, step.whole
     weights, timed = costs.weights, costs.most_catch_up_timed > 0
     per_token, per_forced_token = catch_up_prices(weights, timed)
+    # A whole gap (a prompt the draft lacks: thousands of tokens) beyond the
+    # range timed: a token there costs more than those timed; priced at a
+    # verified one's, or theirs where dearer.
+    per_token_beyond = weights[1] if weights[1] > per_token else per_token
     most_forced = forced_catch_up_range(costs, settings)
     least, paused, probe_after = scratch.least_catch_up, scratch.paused, scratch.probe_after
     budgets, resume, decoding = scratch.budget, scratch.resume, scratch.decoding
@@ -210,12 +214,8 @@ def forced_rows(step, requests, scratch, settings, costs, budget_per_paused_step
         if gaps.shape[0] and not scratch.probing[row]:
             horizon = max(requests.drafted_steps[slot] + requests.paused_decode_steps[slot],
                           probe_interval)
-            # A whole gap (a prompt the draft lacks: thousands of tokens)
-            # beyond the range timed: a token there costs more than those
-            # timed; priced at a verified one's, or theirs where dearer.
             within = min(gaps[row], most_forced) if whole.shape[0] and whole[row] else gaps[row]
-            beyond = weights[1] if weights[1] > per_token else per_token
-            resume[row] = (within * per_token + (gaps[row] - within) * beyond) / horizon
+            resume[row] = (within * per_token + (gaps[row] - within) * per_token_beyond) / horizon
 
 
 @compiled
