@@ -49,8 +49,10 @@ from benchmarks.worker_hooks import (
     worker_pid,
 )
 
-BATCH_CONFIGS = ("target", "target_sync", "draft_model", "cmr", "streaming", "goodput",
-                 "always_paused", "cmr_k_by_batch")
+BATCH_CONFIGS = ("target", "target_sync", "ngram_no_match", "draft_model", "cmr", "streaming",
+                 "goodput", "always_paused", "cmr_k_by_batch")
+STOCK_ENGINES = ("target", "target_sync", "ngram_no_match")
+"""One engine each, without SpecExtend."""
 RETRIEVAL_CONFIGS = ("cmr", "streaming", "goodput", "always_paused", "cmr_k_by_batch")
 SWITCHED_CONFIGS = ("draft_model", "cmr", "streaming", "goodput", "always_paused")
 """Run in one engine, its drafter reconfigured between runs."""
@@ -152,7 +154,7 @@ def engine_spec_extend(args, engine_config: str, configs: list[str]) -> dict | N
     alone, else cmr; with goodput control when ``CONTROLLED_CONFIGS`` are
     among them (vLLM's synchronous scheduler then serves every run of the
     engine)."""
-    if engine_config in ("target", "target_sync"):
+    if engine_config in STOCK_ENGINES:
         return None
     base = json.loads(args.spec_extend) if args.spec_extend else {}
     spec_extend = {**base, "mode": "cmr"}
@@ -363,7 +365,7 @@ def run_batch(args) -> dict[str, Any]:
         for length in args.lengths
     }
     configs = [c for c in args.configs if c in BATCH_CONFIGS]
-    engines = [(c, [c]) for c in ("target", "target_sync") if c in configs]
+    engines = [(c, [c]) for c in STOCK_ENGINES if c in configs]
     switched = [c for c in configs if c in SWITCHED_CONFIGS]
     if switched:
         engines.append(("cmr", switched))

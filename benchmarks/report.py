@@ -102,7 +102,7 @@ def record_run(out_dir: Path, *, mode: str, description: str, command: str, titl
 CONFIG_COLORS = {"target": "tab:gray", "target_sync": "black", "target_v1": "silver",
                  "draft_model": "tab:blue",
                  "cmr": "tab:red", "streaming": "tab:green", "draft_model_full": "tab:purple",
-                 "ngram": "tab:brown", "cmr_k_by_batch": "tab:orange",
+                 "ngram": "tab:brown", "ngram_no_match": "sienna", "cmr_k_by_batch": "tab:orange",
                  "goodput": "tab:cyan", "always_paused": "mediumvioletred",
                  "cmr_every_16": "tab:pink", "cmr_on_drops": "goldenrod", "eagle3_full": "navy",
                  "eagle3_sliding": "darkkhaki", "alone": "dimgray", "private": "firebrick",

@@ -32,6 +32,8 @@ from benchmarks.worker_hooks import install_timers, read_timers, run_deltas, spe
 STOCK_CONFIGS = ("target", "draft_model", "draft_model_full", "ngram")
 """``draft_model_full``: stock drafting with the draft's own window, for
 reference when ``--draft-window`` caps the other draft configurations."""
+NO_MATCH_NGRAM = 64
+"""Tokens an n-gram must repeat to draft in ``ngram_no_match`` (none in the passages)."""
 
 K_BY_BATCH_SIZE = [[1, 2, 4], [3, 1024, 0]]
 """``cmr_k_by_batch``: cmr with vLLM's own K schedule
@@ -105,6 +107,14 @@ def engine_kwargs(args, config: str, spec_extend: dict | None) -> dict[str, Any]
     if config == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    elif config == "ngram_no_match":
+        # Stock vLLM's spec-decode path with zero drafts: an n-gram proposer
+        # whose n-gram no passage repeats, under the synchronous scheduler
+        # goodput control runs under (what a paused step costs in stock vLLM).
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
+                                        "prompt_lookup_max": NO_MATCH_NGRAM,
+                                        "prompt_lookup_min": NO_MATCH_NGRAM}
+        kwargs["async_scheduling"] = False
     elif config == "target_sync":
         # The target alone under vLLM's synchronous scheduler, which goodput
         # control needs: what the scheduler mode alone costs.

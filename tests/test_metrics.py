@@ -1,6 +1,8 @@
 """Retrieval figures: device-side accounting and their Prometheus rendering
 (no engine; the engine paths are covered in test_engine_* and test_serve)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -135,6 +137,10 @@ def test_goodput_control_figures_per_request_and_in_prometheus():
     assert 'vllm:spec_extend_control_explorations_total{model_name="tiny"} 0.0' in text
     assert 'vllm:spec_extend_control_forced_draft_seconds_total{model_name="tiny"} 0.0' in text
     assert 'vllm:spec_extend_control_warm_up_pending{model_name="tiny"} 0.0' in text
+    # Its own planning, timed on the host and charged to the probe budget.
+    host = re.search(r'spec_extend_control_host_seconds_total\{model_name="tiny"\} (\S+)', text)
+    assert float(host.group(1)) == pytest.approx(snapshot["host_seconds"]) and snapshot[
+        "host_seconds"] > 0
     fresh = SpeculationControl(max_num_reqs=4, num_speculative_tokens=2, free_pause=True)
     collector.update("tiny", {**stats.as_dict(), "tracked_requests": 1, **NO_PRIVATE_LAYOUTS,
                               "request_kept_fraction": stats.request_kept_fraction.as_dict(),

@@ -43,6 +43,8 @@ _CONTROL_COUNTERS = {
     "forced_priced_seconds": "Goodput control: what the step-cost model priced those steps "
                              "at beyond the step without drafts, as they ran (not the "
                              "warm-up's, which has its own price).",
+    "host_seconds": "Goodput control: seconds its planning took on the host, charged to "
+                    "the probe budget beside forced drafts.",
     "explorations": "Goodput control: steps planned against its choice (every request "
                     "drafting D, or none) to keep measuring each number of draft steps.",
     "skipped_draft_forwards": "Goodput control: steps where no request drafted and the "

@@ -39,19 +39,29 @@ def simulated_speed(draft_step: float, acceptance: float, seed: int, batches: in
                     cold_catch_up: float = 0.0, priced_warm_up: bool = False,
                     fresh: bool = False, controllers: list | None = None,
                     per_draft_token: float = PER_DRAFT_TOKEN,
-                    per_caught_up_token: float = PER_CAUGHT_UP_TOKEN) -> float:
+                    per_caught_up_token: float = PER_CAUGHT_UP_TOKEN,
+                    planning: float = 0.0) -> float:
     """Goodput control's tokens per second over the target alone's.
     ``priced_warm_up``: the warm-up waits for its price, a draft forward at
     its true share of a target step (as an engine's drafter weighs it from
     the parameters); ``fresh``: the first batch counts too; ``controllers``
     gets the controller; ``per_draft_token``, ``per_caught_up_token``:
-    seconds per verified draft and per caught-up token."""
+    seconds per verified draft and per caught-up token; ``planning``:
+    seconds each plan takes on the host (the target alone plans nothing)."""
     rng = np.random.default_rng(seed)
     control = SpeculationControl(BATCH, K, free_pause=True, synced_lead=1, defer_prompts=True)
     if priced_warm_up:
         control.controller.warm_up.draft_forward_share = draft_step / TARGET_STEP
     clock = [0.0]
     control.clock = lambda: clock[0]
+    if planning:
+        controller_plan = control.controller.plan
+
+        def slow_plan(*args, **kwargs):
+            clock[0] += planning
+            return controller_plan(*args, **kwargs)
+
+        control.controller.plan = slow_plan
     first_pass_counts = set()
     controlled = alone = 0.0
     for batch in range(batches):
@@ -116,6 +126,19 @@ def test_the_floor_holds_where_verified_tokens_are_free_and_catch_ups_dear(draft
     speeds = [simulated_speed(draft_step, acceptance, seed, per_draft_token=0.0,
                               per_caught_up_token=0.008) for seed in range(3)]
     assert min(speeds) >= 0.97, speeds
+
+
+def test_planning_that_takes_the_probe_budget_leaves_nothing_for_forced_drafts():
+    # A host planning beside a fast target (a GPU's decode step of ~10 ms,
+    # a plan of a few hundred microseconds): every step 2% longer than the
+    # target alone's. With probes and explorations on top: 0.968-0.981x.
+    controllers: list = []
+    speeds = [simulated_speed(0.05, 0.2, seed, planning=0.02 * TARGET_STEP,
+                              controllers=controllers) for seed in range(3)]
+    assert min(speeds) >= 0.97, speeds
+    plans = sum(c.stats.drafted_request_steps + c.stats.paused_request_steps for c in controllers)
+    assert sum(c.forced_account.host_seconds for c in controllers) >= (
+        plans / BATCH * 0.02 * TARGET_STEP)
 
 
 def test_a_draft_dearer_than_it_can_pay_for_is_never_run_after_the_warm_up():

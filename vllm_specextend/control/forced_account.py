@@ -15,7 +15,9 @@ those steps at as they ran (``priced_seconds``): the two agree where the
 model knows what a forced step costs.
 
 The engine's warm-up draft is paid from it too once it is priced
-(``draft_warm_up.py``).
+(``draft_warm_up.py``), and so is the controller's own time on the host every
+step (:meth:`spent_on_host`): under the synchronous scheduler goodput control
+runs under, it lengthens every step beyond the target alone's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class ForcedDraftAccount:
         drafts, as they ran (their tokens, draft steps and catch-up), summed
         (not the warm-up's, priced by ``DraftWarmUp.price``): the metric
         beside ``excess_seconds``."""
+        self.host_seconds = 0.0
+        """The controller's own planning time, summed (:meth:`spent_on_host`): the metric."""
         self._pending: float | None = None
         self._pending_priced = False
         self._reserve = 0.0
@@ -120,3 +124,11 @@ class ForcedDraftAccount:
         self.excess_seconds += max(charged, 0.0)
         if priced is not None and self._pending_priced:
             self.priced_seconds += max(priced - predicted, 0.0)
+
+    def spent_on_host(self, seconds: float) -> None:
+        """A plan took ``seconds`` on the host: paid from the credit like a
+        forced draft's excess, so that what the controller adds to a paused
+        step and what forced drafts cost stay within ``probe_budget``
+        together (where planning takes more, nothing drafts by force)."""
+        self.balance -= seconds
+        self.host_seconds += seconds

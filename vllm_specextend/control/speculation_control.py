@@ -319,10 +319,10 @@ class SpeculationControl:
         draft's forward runs; ``block_table``: the rows' KV block ids on the
         host, to keep prefix cache hits on blocks without the draft's KV
         right; None: not kept)."""
+        now = self.clock()
         frontiers = self.kv_frontiers
         frontiers.keep_block_table(block_table, block_size)
         slots = self.requests.of_step(req_ids, self._owns_requests)
-        now = self.clock()
         context_lens, query_lens = ints(context_lens), ints(query_lens)
         starts, gaps, whole, _ = frontiers.advance(slots, context_lens, ints(prompt_lens))
         plan = self.controller.plan(req_ids, context_lens, query_lens, prompt_lens, now,
@@ -335,6 +335,7 @@ class SpeculationControl:
             frontiers.defer(slots[plan.deferred_rows])
         frontiers.end_step(slots, plan.runs_draft_forward, starts, context_lens, query_lens,
                            plan.catch_up_limits, gaps)
+        self.controller.forced_account.spent_on_host(self.clock() - now)
         return plan
 
     def catch_up_starts(self, req_ids: list[str], context_lens: np.ndarray,
@@ -373,6 +374,7 @@ class SpeculationControl:
             "probes": stats.probes,
             "forced_draft_seconds": self.controller.forced_account.excess_seconds,
             "forced_priced_seconds": self.controller.forced_account.priced_seconds,
+            "host_seconds": self.controller.forced_account.host_seconds,
             "warm_up_pending": int(self.controller.warm_up.pending),
             "explorations": stats.explorations,
             "skipped_draft_forwards": stats.skipped_draft_forwards,
