@@ -552,3 +552,20 @@ def test_round_spread_tells_how_many_rounds_resolve_a_floor():
     # Rounds 0.1 apart (sd 0.071): (1.645 x 0.071 / 0.03)^2 rounds for a 3% floor.
     assert rounds_to_resolve([0.95, 1.05], 0.03) == 16
     assert rounds_to_resolve([1.0], 0.03) is None
+
+
+def test_round_spread_compares_runs_of_separate_engines_by_their_medians():
+    from benchmarks.round_spread import spread_rows, unpaired_interval
+
+    def run(config: str, rounds: list[float]) -> dict:
+        return {"measurements": [{"config": config, "batch_size": 4, "context_tokens": 3690,
+                                  "round_tok_s": rounds}]}
+
+    goodput, target = run("goodput", [9.0, 8.0, 9.5, 10.0]), run("target", [10.0, 9.0, 11.0])
+    # Not paired round by round (the lists differ in length): the medians' ratio.
+    row = spread_rows(goodput, 0.03, target)[0]
+    assert row.startswith("| goodput | 4 | 3690 | 0.925 | ")
+    low, high = unpaired_interval([9.0, 8.0, 9.5, 10.0], [10.0, 9.0, 11.0])
+    assert low < 0.925 < high
+    assert unpaired_interval([9.0] * 4, [10.0] * 3) == pytest.approx((0.9, 0.9))
+    assert spread_rows(goodput, 0.03) == []  # no target alone to pair with

@@ -134,3 +134,15 @@ def test_forced_steps_are_priced_beside_their_charge_but_the_warm_up_by_its_own_
     assert not account.measuring
     assert account.priced_seconds == pytest.approx(0.25)
     assert account.excess_seconds == pytest.approx(2.3)
+
+
+def test_planning_on_the_host_is_paid_from_the_credit():
+    account = ForcedDraftAccount(0.02, 128)
+    for _ in range(16):  # each plan took 5 ms of a 0.5 s step: half its credit
+        account.planned(PAUSED_STEP, 4, NONE, NONE, NOT_PROBING)
+        account.spent_on_host(0.005)
+        account.measured(PAUSED_STEP)
+    assert account.balance == pytest.approx(16 * (0.01 - 0.005))
+    assert account.host_seconds == pytest.approx(16 * 0.005)
+    account.spent_on_host(0.1)  # planning that costs more than the credit: no forced drafts
+    assert account.settings(SETTINGS).probe_budget == 0.0
